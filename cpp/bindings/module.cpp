@@ -1,0 +1,35 @@
+// kvroute._native: the compiled twin of kvroute.reference. Each concept registers itself.
+#include "kvroute/errors.hpp"
+#include "kvroute/version.hpp"
+#include "register.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "kvroute's C++ core; kvroute.reference is its pure-Python twin.";
+    m.attr("__version__") = kvroute::version();
+
+    // The core's typed errors become the Python exceptions the reference twin raises.
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const kvroute::TypeError& e) {
+            PyErr_SetString(PyExc_TypeError, e.what());
+        } catch (const kvroute::ValueError& e) {
+            PyErr_SetString(PyExc_ValueError, e.what());
+        } catch (const kvroute::IndexError& e) {
+            PyErr_SetString(PyExc_IndexError, e.what());
+        } catch (const kvroute::KeyError& e) {
+            // KeyError(str) would repr() the message with quotes; the reference raises KeyError(msg) too.
+            py::object err = py::reinterpret_steal<py::object>(PyUnicode_FromString(e.what()));
+            PyErr_SetObject(PyExc_KeyError, err.ptr());
+        } catch (const kvroute::StateError& e) {
+            PyErr_SetString(PyExc_RuntimeError, e.what());
+        }
+    });
+
+    kvroute::bindings::register_hashing(m);
+    kvroute::bindings::register_index(m);
+    kvroute::bindings::register_router(m);
+    kvroute::bindings::register_events(m);
+}

@@ -1,0 +1,7 @@
+#include "register.hpp"
+
+namespace kvroute::bindings {
+
+void register_hashing(pybind11::module_& m) { (void)m; }
+
+}  // namespace kvroute::bindings

@@ -1,0 +1,12 @@
+"""The pure-Python reference twin of kvroute._native.
+
+Same names, signatures, results and errors as the compiled core. It is the oracle the
+tests compare the core against, the baseline the benchmarks measure it against, and what
+runs when KVROUTE_IMPLEMENTATION=python.
+"""
+
+from __future__ import annotations
+
+from .hashing import block_hashes, xxh3_64
+
+__all__ = ["xxh3_64", "block_hashes"]
