@@ -1,0 +1,49 @@
+// Argument conversion for block hashing, shared by every binding that takes tokens.
+// Errors and messages match python/kvroute/reference/hashing.py exactly.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvroute::bindings {
+
+#if defined(__GNUC__)
+#define KVROUTE_BINDING_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define KVROUTE_BINDING_HIDDEN
+#endif
+
+/// A validated, contiguous uint32 view of a Python tokens argument; owns or pins its storage.
+// Hidden like pybind11's own types, which it holds (else GCC warns about visibility).
+class KVROUTE_BINDING_HIDDEN TokenView {
+public:
+    TokenView() = default;
+    /// First token (valid for size() tokens while the view lives).
+    const std::uint32_t* data() const noexcept { return data_; }
+    /// Number of tokens.
+    std::size_t size() const noexcept { return size_; }
+
+private:
+    friend TokenView tokens_as_uint32(pybind11::handle tokens);
+    const std::uint32_t* data_ = nullptr;
+    std::size_t size_ = 0;
+    pybind11::object keep_;             // the array read in place (zero-copy case)
+    std::vector<std::uint32_t> owned_;  // converted tokens (list, other dtypes)
+};
+
+/// Tokens (1-D integer numpy array, list/tuple of ints, array.array) as uint32; zero-copy
+/// for contiguous native-endian int32/uint32. Raises the reference's TypeError/ValueError.
+/// Needs the GIL.
+TokenView tokens_as_uint32(pybind11::handle tokens);
+
+/// block_size as an int in [1, 65536], else the reference's TypeError/ValueError.
+std::size_t check_block_size(pybind11::handle block_size);
+
+/// The bytes a root hash is taken over: empty for None, UTF-8 for str, raw for bytes-likes.
+std::string salt_bytes(pybind11::handle salt);
+
+}  // namespace kvroute::bindings
