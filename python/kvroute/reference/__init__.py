@@ -8,5 +8,6 @@ runs when KVROUTE_IMPLEMENTATION=python.
 from __future__ import annotations
 
 from .hashing import block_hashes, xxh3_64
+from .index import PrefixIndex
 
-__all__ = ["xxh3_64", "block_hashes"]
+__all__ = ["xxh3_64", "block_hashes", "PrefixIndex"]
