@@ -9,5 +9,6 @@ from __future__ import annotations
 
 from .hashing import block_hashes, xxh3_64
 from .index import PrefixIndex
+from .router import Decision, Router
 
-__all__ = ["xxh3_64", "block_hashes", "PrefixIndex"]
+__all__ = ["xxh3_64", "block_hashes", "PrefixIndex", "Router", "Decision"]

@@ -1,0 +1,221 @@
+"""RouterConfig: the validated settings of a Router, shared by both implementations.
+
+The native Router and the reference Router read the same RouterConfig, so validation
+(and its error messages) lives here once. `params` is completed with the policy's
+defaults at construction, so `config.params` always lists every parameter in effect.
+
+Policies and their parameters (defaults in parentheses). Every policy sees the same
+per-replica vectors: matched blocks (from the prefix index) and load (from the router's
+own lifecycle accounting plus `report_load`). Ties are broken in rotation: candidates
+are scanned from a per-router offset that advances on every decision, so equal
+replicas take turns instead of the first one always winning.
+
+=============  =====================================================================
+policy         rule and parameters
+=============  =====================================================================
+round_robin    next eligible replica in rotation. No parameters.
+random         uniform among eligible replicas, from the seeded generator.
+least_loaded   fewest in-flight requests.
+power_of_two   two distinct replicas drawn from the seeded generator; the one with
+               fewer in-flight requests (the first drawn on a tie).
+sticky         consistent hashing of the session (else the prompt's first block) on a
+               ring with `vnodes` (64) virtual nodes per replica. `bound` (None): with
+               a float c >= 1, Mirrokni-Thorup-Zadimoghaddam bounded loads: capacity
+               ceil(c * (in_flight_total + 1) / eligible); a replica at capacity is
+               skipped and the walk continues along the ring.
+linear         score = w_affinity (1.0) * matched_tokens - w_load (1.0) * queued
+               prefill tokens, argmax; a match shorter than min_match_tokens (64)
+               counts as 0. Escape: if the best-affinity replica's queued prefill
+               tokens exceed escape_factor (1.5) times the eligible mean, the least
+               loaded (queued prefill tokens) replica is chosen instead.
+sglang         imbalanced := max_load - min_load > balance_abs_threshold (64) and
+               max_load > min_load * balance_rel_threshold (1.5), load = in-flight
+               requests: then least loaded. Else if matched/prompt tokens >
+               cache_threshold (0.3): the longest match; else least loaded.
+dynamo         cost = prefill_load_scale (1.0) * max(prefill_blocks + prompt_blocks -
+               matched_blocks, 0) + decode_blocks + prompt_blocks; argmin, or with
+               temperature (0.0) > 0 a softmax sample of -normalized cost / T.
+llmd           w_prefix (3.0) * matched/prompt blocks + w_queue (2.0) * (max_q - q) /
+               (max_q - min_q) (1 when all equal) + w_kv (2.0) * (1 - kv_usage);
+               q = reported waiting, else the router's count of requests before their
+               first token; kv_usage = reported, else 0. Argmax.
+preble         cost = queued prefill tokens + uncached tokens + decode_weight (32.0) *
+               in-flight requests. Exploit (matched tokens > new tokens on the
+               longest-match replica): the cheapest replica among the longest-match
+               holders; else explore: the cheapest replica overall.
+ttft           lowest estimated time to first token, (queued prefill tokens + this
+               request's uncached tokens) / prefill_rate; ties to the longer match,
+               then fewer in-flight requests. No parameters.
+=============  =====================================================================
+
+Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the
+longest match, which is > 0), "load" (a longer match existed elsewhere but load won),
+"miss" (no replica matched), "balance" (a policy that ignores the cache), "hash"
+(sticky: the ring position), "overflow" (sticky: walked past full replicas).
+
+Sessions: a bound session stays on its replica unless that replica is removed, drained,
+unhealthy or saturated. Saturated means: sglang, the imbalance rule with the replica
+as max; linear, the escape rule; sticky, at its bound capacity (never without a bound);
+every other policy, in-flight requests > max(1, session_saturation * eligible mean).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .reference.hashing import MAX_BLOCK_SIZE, salt_bytes
+
+#: policy -> {parameter: default}. A parameter with default None is optional.
+POLICY_PARAMS: dict[str, dict[str, Any]] = {
+    "round_robin": {},
+    "random": {},
+    "least_loaded": {},
+    "power_of_two": {},
+    "sticky": {"vnodes": 64, "bound": None},
+    "linear": {"w_affinity": 1.0, "w_load": 1.0, "min_match_tokens": 64, "escape_factor": 1.5},
+    "sglang": {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5},
+    "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0},
+    "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0},
+    "preble": {"decode_weight": 32.0},
+    "ttft": {},
+}
+
+#: Integer parameters (the rest are floats).
+_INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold"}
+
+MODES = ("approximate", "precise", "hybrid")
+MAX_VNODES = 4096
+
+
+def _is_int(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_real(value: Any) -> bool:
+    return not isinstance(value, bool) and (isinstance(value, (int, float)) or _is_int(value))
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = operator.index(value)
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {'in ' if high is not None else ''}{bound}, got {value}")
+    return value
+
+
+def _float(name: str, value: Any, *, low: float = 0.0, strict: bool = False) -> float:
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        raise ValueError(f"{name} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+    return value
+
+
+def _check_param(policy: str, name: str, value: Any) -> Any:
+    key = f"params[{name!r}] of policy {policy!r}"
+    if name == "bound":
+        if value is None:
+            return None
+        return _float(key, value, low=1.0)
+    if name == "vnodes":
+        return _int(key, value, 1, MAX_VNODES)
+    if name in _INT_PARAMS:
+        return _int(key, value, 0)
+    if name in ("balance_rel_threshold", "escape_factor"):
+        return _float(key, value, low=1.0)
+    if name == "cache_threshold":
+        checked = _float(key, value)
+        if checked > 1.0:
+            raise ValueError(f"{key} must be in [0, 1], got {checked!r}")
+        return checked
+    return _float(key, value)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Validated Router settings; see the module docstring for the policy table.
+
+    policy: one of POLICY_PARAMS. params: policy parameters (missing ones take their
+    defaults; unknown ones are a ValueError). block_size, salt: how route() hashes
+    tokens (must match the engines'). mode: "approximate" (the router inserts each
+    routed prompt into its index), "precise" (only engine events feed the index) or
+    "hybrid" (routed prompts go to a second, speculative index that forgets them after
+    speculative_ttl seconds; matches are the elementwise max of both). index_capacity
+    (blocks per replica) and index_ttl (seconds) bound the router's index.
+    session_ttl (sliding, seconds) and max_sessions (LRU beyond it) bound the session
+    table. seed drives every random choice. prefill_rate (tokens per second) converts
+    queued tokens into time for the ttft policy. session_saturation: see the module doc.
+    """
+
+    policy: str = "ttft"
+    params: dict[str, Any] = field(default_factory=dict)
+    block_size: int = 16
+    salt: str | bytes | None = None
+    mode: str = "approximate"
+    index_capacity: int | None = None
+    index_ttl: float | None = None
+    speculative_ttl: float = 2.0
+    session_ttl: float = 600.0
+    max_sessions: int = 100_000
+    seed: int = 0
+    prefill_rate: float = 10_000.0
+    session_saturation: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise TypeError(f"policy must be a str, got {type(self.policy).__name__}")
+        if self.policy not in POLICY_PARAMS:
+            raise ValueError(
+                f"unknown policy {self.policy!r}; expected one of {', '.join(POLICY_PARAMS)}"
+            )
+        if not isinstance(self.params, dict):
+            raise TypeError(f"params must be a dict, got {type(self.params).__name__}")
+        defaults = POLICY_PARAMS[self.policy]
+        resolved = dict(defaults)
+        for name, value in self.params.items():
+            if name not in defaults:
+                known = ", ".join(defaults) or "none"
+                raise ValueError(
+                    f"unknown parameter {name!r} for policy {self.policy!r} (known: {known})"
+                )
+            resolved[name] = _check_param(self.policy, name, value)
+        for name, value in resolved.items():
+            if value is not None and name not in _INT_PARAMS and name != "bound":
+                resolved[name] = float(value)
+        object.__setattr__(self, "params", resolved)
+        object.__setattr__(self, "block_size", _int("block_size", self.block_size, 1, MAX_BLOCK_SIZE))
+        salt_bytes(self.salt)  # TypeError for anything but str, bytes-like or None
+        if isinstance(self.salt, (bytearray, memoryview)):
+            object.__setattr__(self, "salt", bytes(self.salt))
+        if not isinstance(self.mode, str):
+            raise TypeError(f"mode must be a str, got {type(self.mode).__name__}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.index_capacity is not None:
+            object.__setattr__(self, "index_capacity", _int("index_capacity", self.index_capacity, 1))
+        if self.index_ttl is not None:
+            object.__setattr__(self, "index_ttl", _float("index_ttl", self.index_ttl, strict=True))
+        object.__setattr__(self, "speculative_ttl", _float("speculative_ttl", self.speculative_ttl, strict=True))
+        object.__setattr__(self, "session_ttl", _float("session_ttl", self.session_ttl, strict=True))
+        object.__setattr__(self, "max_sessions", _int("max_sessions", self.max_sessions, 1))
+        object.__setattr__(self, "seed", _int("seed", self.seed, 0, (1 << 64) - 1))
+        object.__setattr__(self, "prefill_rate", _float("prefill_rate", self.prefill_rate, strict=True))
+        object.__setattr__(
+            self, "session_saturation", _float("session_saturation", self.session_saturation, low=1.0)
+        )
+
+    def salt_bytes(self) -> bytes:
+        """The salt as the bytes the hash chain's root is taken over."""
+        return salt_bytes(self.salt)
