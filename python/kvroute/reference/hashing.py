@@ -1,4 +1,4 @@
-"""Chained block hashing, reference twin of cpp/src/hashing.cpp.
+"""Chained block hashing, reference twin of cpp/src/hash.cpp.
 
 The contract (README, "Block hashing"): tokens are serialized as uint32 little-endian and
 cut into blocks of `block_size` tokens; a trailing partial block is not hashed.
@@ -23,7 +23,13 @@ def xxh3_64(data: Any, seed: int = 0) -> int:
     """XXH3-64 of a bytes-like object with a 64-bit seed."""
     if isinstance(data, str) or not _is_buffer(data):
         raise TypeError(f"data must be a bytes-like object, got {type(data).__name__}")
-    return xxhash.xxh3_64_intdigest(memoryview(data).cast("B") if not isinstance(data, bytes) else data, _check_seed(seed))
+    value = _check_seed(seed)
+    if isinstance(data, bytes):
+        return xxhash.xxh3_64_intdigest(data, value)
+    view = memoryview(data)
+    # A strided buffer hashes its C-order bytes, the bytes memoryview.tobytes() gives.
+    raw = view.cast("B") if view.c_contiguous else view.tobytes()
+    return xxhash.xxh3_64_intdigest(raw, value)
 
 
 def block_hashes(tokens: Any, block_size: int = 16, *, salt: str | bytes | None = None) -> np.ndarray:
