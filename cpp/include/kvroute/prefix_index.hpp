@@ -65,6 +65,8 @@ public:
     std::uint32_t num_replicas() const;
     /// Whether r is an id in range that is not retired.
     bool is_live(std::int64_t r) const;
+    /// Throws IndexError "replica r is out of range [0, n)" or "replica r was removed".
+    void check_replica(std::int64_t r) const;
     /// Blocks per replica before eviction, if any.
     std::optional<std::uint64_t> capacity() const noexcept;
     /// Seconds a (replica, block) lives untouched, if any.
