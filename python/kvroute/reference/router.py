@@ -489,7 +489,7 @@ class Router:
             match = self._index.match(hashes).tolist()
             if self._spec is not None:
                 match = [max(a, b) for a, b in zip(match, self._spec.match(hashes).tolist())]
-            ctx = _Ctx(self, hl, num_tokens, match, session)
+            ctx = _Ctx(self, hl, num_tokens, match, session, eligible)
 
             # Session: keep the bound replica unless it is gone or saturated.
             entry = self._sessions.get(session) if session is not None else None
@@ -582,8 +582,11 @@ class Router:
 class _Ctx:
     """One decision's inputs: the prompt, its matches, the router's load vectors."""
 
-    def __init__(self, router: Router, hashes: list[int], num_tokens: int, match: list[int], session: Any) -> None:
+    def __init__(
+        self, router: Router, hashes: list[int], num_tokens: int, match: list[int], session: Any, eligible: list[int]
+    ) -> None:
         self.rt = router
+        self.eligible = eligible
         self.hashes = hashes
         self.n = num_tokens
         self.match = match
@@ -702,7 +705,8 @@ class _Ctx:
         else:
             return order[0], "balance"
         allowed = set(order)
-        cap = self.capacity(order) if p["bound"] is not None else None
+        # Capacity over every eligible replica, also when a saturated bound one is excluded.
+        cap = self.capacity(self.eligible) if p["bound"] is not None else None
         ring = rt._ring
         start = _lower_bound(rt._ring_keys, key)
         first = True
