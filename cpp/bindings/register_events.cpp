@@ -1,7 +1,232 @@
+// EventApplier; the reference twin is python/kvroute/reference/events.py, whose argument
+// checks and messages this file reproduces in the same order.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hashes.hpp"
+#include "kvroute/errors.hpp"
+#include "kvroute/events.hpp"
+#include "kvroute/prefix_index.hpp"
 #include "register.hpp"
+#include "tokens.hpp"
+
+namespace py = pybind11;
 
 namespace kvroute::bindings {
+namespace {
 
-void register_events(pybind11::module_& m) { (void)m; }
+std::string type_name(py::handle obj) {
+    return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
+}
+
+bool is_bool(py::handle obj) {
+    if (PyBool_Check(obj.ptr())) return true;
+    // Looked up once and kept for the life of the process (never released at exit).
+    static PyObject* numpy_bool = py::object(py::module_::import("numpy").attr("bool_")).release().ptr();
+    return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
+}
+
+/// A live replica id of the applier's index, with the index's own errors.
+std::int64_t replica_arg(const EventApplier& a, py::handle obj) {
+    if (is_bool(obj)) throw TypeError("replica must be an int, got " + type_name(obj));
+    PyObject* index = PyNumber_Index(obj.ptr());
+    if (index == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+        throw TypeError("replica must be an int, got " + type_name(obj));
+    }
+    const py::object value = py::reinterpret_steal<py::object>(index);
+    int overflow = 0;
+    const long long r = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (r == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0)
+        throw IndexError("replica " + py::str(value).cast<std::string>() + " is out of range [0, " +
+                         std::to_string(a.index()->num_replicas()) + ")");
+    a.check_replica(r);
+    return r;
+}
+
+std::optional<std::string> medium_arg(py::handle obj) {
+    if (obj.is_none()) return std::nullopt;
+    if (!PyUnicode_Check(obj.ptr())) throw TypeError("medium must be a str or None, got " + type_name(obj));
+    return obj.cast<std::string>();
+}
+
+std::shared_ptr<EventApplier> make_applier(py::handle index, py::handle block_size, py::handle salt,
+                                           py::handle tier_index) {
+    if (!py::isinstance<PrefixIndex>(index))
+        throw TypeError("index must be a PrefixIndex, got " + type_name(index));
+    std::shared_ptr<PrefixIndex> tier;
+    if (!tier_index.is_none()) {
+        if (!py::isinstance<PrefixIndex>(tier_index))
+            throw TypeError("tier_index must be a PrefixIndex or None, got " + type_name(tier_index));
+        tier = tier_index.cast<std::shared_ptr<PrefixIndex>>();
+    }
+    auto ix = index.cast<std::shared_ptr<PrefixIndex>>();
+    if (tier && tier == ix) throw ValueError("tier_index must be a different PrefixIndex than index");
+    const std::size_t size = check_block_size(block_size);
+    return std::make_shared<EventApplier>(std::move(ix), size, salt_bytes(salt), std::move(tier));
+}
+
+/// Logs unusable-replica reports once, as the reference does (logger "kvroute.events").
+void log_reports(EventApplier& a) {
+    std::vector<std::string> reports = a.take_reports();
+    if (reports.empty()) return;
+    py::object log = py::module_::import("logging").attr("getLogger")("kvroute.events");
+    for (const auto& msg : reports) log.attr("error")("kvroute.events: %s", msg);
+}
+
+template <class T>
+py::object optional_obj(const std::optional<T>& v) {
+    return v ? py::cast(*v) : py::none();
+}
+
+}  // namespace
+
+void register_events(py::module_& m) {
+    py::class_<EventApplier, std::shared_ptr<EventApplier>>(m, "EventApplier", R"doc(
+Applies one fleet's engine KV events (vLLM, SGLang) to a PrefixIndex, one replica id per engine.
+
+EventApplier(index, block_size=16, *, salt=None, tier_index=None): block_size and salt must be
+the router's. GPU blocks go to `index`; blocks of other media to `tier_index` when given. Each
+BlockStored's kvroute hashes are recomputed from its token_ids, chained from its parent's;
+duplicate stores are reference-counted per (engine hash, medium). A malformed batch is counted
+and skipped whole. Semantics: kvroute.reference.events.)doc")
+        .def(py::init([](py::handle index, py::handle block_size, py::handle salt, py::handle tier_index) {
+                 return make_applier(index, block_size, salt, tier_index);
+             }),
+             py::arg("index"), py::arg("block_size") = 16, py::kw_only(), py::arg("salt") = py::none(),
+             py::arg("tier_index") = py::none())
+        .def_property_readonly("block_size", &EventApplier::block_size,
+                               "Tokens per kvroute block (the router's block size).")
+        .def_property_readonly(
+            "salt", [](const EventApplier& a) { return py::bytes(a.salt()); },
+            "Bytes of the salt every replica's chains start from.")
+        .def_property_readonly(
+            "index", [](const EventApplier& a) { return a.index(); }, "The PrefixIndex that GPU blocks go to.")
+        .def_property_readonly(
+            "tier_index", [](const EventApplier& a) { return a.tier_index(); },
+            "The PrefixIndex that blocks of other media go to, or None.")
+        .def(
+            "apply",
+            [](EventApplier& a, py::handle replica, py::handle payload) {
+                const std::int64_t r = replica_arg(a, replica);
+                py::object keep;
+                const char* data = nullptr;
+                Py_ssize_t len = 0;
+                if (PyBytes_Check(payload.ptr())) {
+                    data = PyBytes_AS_STRING(payload.ptr());
+                    len = PyBytes_GET_SIZE(payload.ptr());
+                    keep = py::reinterpret_borrow<py::object>(payload);
+                } else {
+                    if (!PyObject_CheckBuffer(payload.ptr()))
+                        throw TypeError("payload must be a bytes-like object, got " + type_name(payload));
+                    // Any buffer, contiguous or not, read as bytes (what bytes(memoryview(x)) gives).
+                    keep = py::reinterpret_steal<py::object>(
+                        PyBytes_FromObject(py::memoryview(py::reinterpret_borrow<py::object>(payload)).ptr()));
+                    if (!keep) throw py::error_already_set();
+                    data = PyBytes_AS_STRING(keep.ptr());
+                    len = PyBytes_GET_SIZE(keep.ptr());
+                }
+                bool ok;
+                {
+                    // Decoding and applying loop over the batch; the bytes are pinned by `keep`.
+                    py::gil_scoped_release release;
+                    ok = a.apply(r, reinterpret_cast<const std::uint8_t*>(data), static_cast<std::size_t>(len));
+                }
+                log_reports(a);
+                return ok;
+            },
+            py::arg("replica"), py::arg("payload"),
+            "Decode and apply one msgpack batch; False (counted, nothing applied) when malformed.")
+        .def(
+            "apply_stored",
+            [](EventApplier& a, py::handle replica, py::handle block_hashes, py::handle parent_block_hash,
+               py::handle token_ids, py::handle block_size, py::handle medium) {
+                const std::int64_t r = replica_arg(a, replica);
+                const HashView hs = as_hashes(block_hashes, "block_hashes");
+                std::optional<std::uint64_t> parent;
+                if (!parent_block_hash.is_none()) parent = as_hash(parent_block_hash, "parent_block_hash");
+                const TokenView tokens = tokens_as_uint32(token_ids);
+                const std::optional<std::string> med = medium_arg(medium);
+                const std::size_t size = block_size.is_none() ? 0 : check_block_size(block_size);
+                std::size_t n;
+                {
+                    // Hashing and map updates loop over the blocks; the views pin their arrays.
+                    py::gil_scoped_release release;
+                    n = a.apply_stored(r, hs.data(), hs.size(), parent ? &*parent : nullptr, tokens.data(),
+                                       tokens.size(), size, med ? &*med : nullptr);
+                }
+                log_reports(a);
+                return n;
+            },
+            py::arg("replica"), py::arg("block_hashes"), py::arg("parent_block_hash"), py::arg("token_ids"),
+            py::kw_only(), py::arg("block_size") = py::none(), py::arg("medium") = py::none(),
+            "Apply one BlockStored from arrays; returns engine blocks stored (0 when unusable).")
+        .def(
+            "apply_removed",
+            [](EventApplier& a, py::handle replica, py::handle block_hashes, py::handle medium) {
+                const std::int64_t r = replica_arg(a, replica);
+                const HashView hs = as_hashes(block_hashes, "block_hashes");
+                const std::optional<std::string> med = medium_arg(medium);
+                py::gil_scoped_release release;  // loops over the hashes; the view pins its array
+                return a.apply_removed(r, hs.data(), hs.size(), med ? &*med : nullptr);
+            },
+            py::arg("replica"), py::arg("block_hashes"), py::kw_only(), py::arg("medium") = py::none(),
+            "Apply one BlockRemoved from an array of engine hashes; returns blocks removed.")
+        .def(
+            "clear_replica",
+            [](EventApplier& a, py::handle replica) {
+                const std::int64_t r = replica_arg(a, replica);
+                py::gil_scoped_release release;  // drops every block of the replica
+                a.clear_replica(r);
+            },
+            py::arg("replica"), "Forget everything about the replica (a resync), unusable mark included.")
+        .def(
+            "stats",
+            [](const EventApplier& a) {
+                const EventApplierStats s = a.stats();
+                py::dict d;
+                d["batches"] = s.batches;
+                d["events"] = s.events;
+                d["ignored_events"] = s.ignored_events;
+                d["stored_blocks"] = s.stored_blocks;
+                d["removed_blocks"] = s.removed_blocks;
+                d["unknown_removals"] = s.unknown_removals;
+                d["clears"] = s.clears;
+                d["malformed"] = s.malformed;
+                d["ignored_batches"] = s.ignored_batches;
+                d["index_conflicts"] = s.index_conflicts;
+                d["last_error"] = optional_obj(s.last_error);
+                return d;
+            },
+            "Counters over all replicas and last_error (the last malformed batch's message).")
+        .def(
+            "replica_stats",
+            [](const EventApplier& a, py::handle replica) {
+                const ReplicaEventStats s = a.replica_stats(replica_arg(a, replica));
+                py::dict d;
+                d["batches"] = s.batches;
+                d["engine_blocks"] = s.engine_blocks;
+                d["index_blocks"] = s.index_blocks;
+                d["tier_blocks"] = s.tier_blocks;
+                d["engine_block_size"] = optional_obj(s.engine_block_size);
+                d["unusable"] = optional_obj(s.unusable);
+                d["last_ts"] = optional_obj(s.last_ts);
+                return d;
+            },
+            py::arg("replica"),
+            "One replica: batches, engine_blocks, index_blocks, tier_blocks, engine_block_size, "
+            "unusable, last_ts.")
+        .def("__repr__", [](const EventApplier& a) {
+            return "EventApplier(block_size=" + std::to_string(a.block_size()) + ")";
+        });
+}
 
 }  // namespace kvroute::bindings

@@ -8,7 +8,8 @@ runs when KVROUTE_IMPLEMENTATION=python.
 from __future__ import annotations
 
 from .hashing import block_hashes, xxh3_64
+from .events import EventApplier
 from .index import PrefixIndex
 from .router import Decision, Router
 
-__all__ = ["xxh3_64", "block_hashes", "PrefixIndex", "Router", "Decision"]
+__all__ = ["xxh3_64", "block_hashes", "PrefixIndex", "Router", "Decision", "EventApplier"]

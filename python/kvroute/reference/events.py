@@ -424,6 +424,8 @@ class EventApplier:
             hs = as_hashes(block_hashes, "block_hashes").tolist()
             parent = None if parent_block_hash is None else as_hash(parent_block_hash, "parent_block_hash")
             tokens = tokens_as_uint32(token_ids)
+            if medium is not None and not isinstance(medium, str):
+                raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
             if block_size is not None:
                 size = check_block_size(block_size)
             elif hs and len(tokens) and len(tokens) % len(hs) == 0:
@@ -433,8 +435,6 @@ class EventApplier:
             if size == 0 or len(tokens) != len(hs) * size:
                 raise ValueError(f"{len(tokens)} token_ids do not make {len(hs)} blocks"
                                  + (f" of {size} tokens" if size else ""))
-            if medium is not None and not isinstance(medium, str):
-                raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
             st = self._state(r)
             if st.unusable is not None:
                 return 0
@@ -496,7 +496,7 @@ class EventApplier:
             }
 
     def __repr__(self) -> str:
-        return f"EventApplier(block_size={self._block_size}, replicas={len(self._replicas)})"
+        return f"EventApplier(block_size={self._block_size})"
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -525,11 +525,11 @@ class EventApplier:
         """The first unknown parent of the batch, as a message; None when all are known."""
         entries_valid = True
         stored: set[int] = set()
-        for i, ev in enumerate(batch.events):
+        for ev in batch.events:
             if isinstance(ev, BlockStored):
                 p = ev.parent_block_hash
                 if p is not None and p not in stored and not (entries_valid and p in st.entries):
-                    return f"event {i} (BlockStored) parent_block_hash {p} is unknown on replica {r}"
+                    return f"BlockStored parent_block_hash {p} is unknown on replica {r}"
                 stored.update(ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 entries_valid = False
