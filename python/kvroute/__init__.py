@@ -15,10 +15,12 @@ __version__ = "0.1.0"
 
 xxh3_64 = _backend.xxh3_64
 block_hashes = _backend.block_hashes
+EventApplier = _backend.EventApplier
 
 __all__ = [
     "__version__",
     "implementation",
     "xxh3_64",
     "block_hashes",
+    "EventApplier",
 ]
