@@ -235,6 +235,10 @@ def _event(i: int, ev: Any) -> Event | None:
         elif not hs or not tokens or len(tokens) % len(hs):
             raise MalformedBatch(f"{where} has {len(tokens)} token_ids for {len(hs)} blocks")
         _medium(where, medium)
+        # Informational only (kvroute hashes ignore LoRA); SGLang puts its salt map where vLLM
+        # has lora_name, so keep just the types vLLM sends.
+        lora_id = lora_id if isinstance(lora_id, int) and not isinstance(lora_id, bool) else None
+        lora_name = lora_name if isinstance(lora_name, str) else None
         return BlockStored(tuple(hs), parent, tuple(tokens), size, medium, lora_id, lora_name)
     if tag == "BlockRemoved":
         hashes, medium = _fields(ev, _REMOVED_FIELDS)
