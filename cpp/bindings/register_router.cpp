@@ -1,7 +1,358 @@
+// Router and Decision; the reference twin is python/kvroute/reference/router.py. Argument
+// checks here raise exactly the reference's errors, in the reference's order.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "hashes.hpp"
+#include "kvroute/errors.hpp"
+#include "kvroute/prefix_index.hpp"
+#include "kvroute/router.hpp"
 #include "register.hpp"
+#include "tokens.hpp"
+
+namespace py = pybind11;
 
 namespace kvroute::bindings {
+namespace {
 
-void register_router(pybind11::module_& m) { (void)m; }
+std::string type_name(py::handle h) {
+    return py::str(py::type::handle_of(h).attr("__name__")).cast<std::string>();
+}
+
+py::module_& numpy() {
+    static py::module_ np = py::module_::import("numpy");
+    return np;
+}
+
+bool is_bool(py::handle h) {
+    return PyBool_Check(h.ptr()) || py::isinstance(h, numpy().attr("bool_"));
+}
+
+std::string name_arg(py::handle h) {
+    if (!PyUnicode_Check(h.ptr())) throw TypeError("replica name must be a str, got " + type_name(h));
+    return h.cast<std::string>();
+}
+
+bool flag_arg(const char* what, py::handle h) {
+    if (!is_bool(h)) throw TypeError(std::string(what) + " must be a bool, got " + type_name(h));
+    return PyObject_IsTrue(h.ptr()) == 1;
+}
+
+// operator.index(h) as a Python int, or TypeError "<what> must be an int, got T".
+py::object index_arg(const char* what, py::handle h) {
+    PyObject* index = is_bool(h) ? nullptr : PyNumber_Index(h.ptr());
+    if (index == nullptr) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+        throw TypeError(std::string(what) + " must be an int, got " + type_name(h));
+    }
+    return py::reinterpret_steal<py::object>(index);
+}
+
+// The reference's _count: an int in [0, 2**63).
+std::int64_t count_arg(const char* what, py::handle h) {
+    py::object v = index_arg(what, h);
+    int overflow = 0;
+    const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0 || raw < 0)
+        throw ValueError(std::string(what) + " must be in [0, 2**63), got " + py::str(v).cast<std::string>());
+    return raw;
+}
+
+bool is_number(py::handle h) {
+    return PyLong_Check(h.ptr()) || PyFloat_Check(h.ptr()) ||
+           py::isinstance(h, numpy().attr("integer")) || py::isinstance(h, numpy().attr("floating"));
+}
+
+// The reference index's _now: None, or a finite int/float/numpy number.
+std::optional<double> now_arg(py::handle h) {
+    if (h.is_none()) return std::nullopt;
+    if (is_bool(h) || !is_number(h)) throw TypeError("now must be a number or None, got " + type_name(h));
+    const double v = py::float_(py::reinterpret_borrow<py::object>(h)).cast<double>();
+    if (!std::isfinite(v)) throw ValueError("now must be finite, got " + py::repr(h).cast<std::string>());
+    return v;
+}
+
+std::optional<std::string> session_arg(py::handle h) {
+    if (h.is_none()) return std::nullopt;
+    if (!PyUnicode_Check(h.ptr())) throw TypeError("session must be a str or None, got " + type_name(h));
+    return h.cast<std::string>();
+}
+
+// A handle; nullopt when it is an int no int64 holds (never issued, so IndexError later).
+std::optional<std::int64_t> handle_arg(py::handle h, std::string& text) {
+    py::object v = index_arg("handle", h);
+    text = py::str(v).cast<std::string>();
+    int overflow = 0;
+    const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0) return std::nullopt;
+    return raw;
+}
+
+Policy policy_of(const std::string& name) {
+    if (name == "round_robin") return Policy::RoundRobin;
+    if (name == "random") return Policy::Random;
+    if (name == "least_loaded") return Policy::LeastLoaded;
+    if (name == "power_of_two") return Policy::PowerOfTwo;
+    if (name == "sticky") return Policy::Sticky;
+    if (name == "linear") return Policy::Linear;
+    if (name == "sglang") return Policy::SGLang;
+    if (name == "dynamo") return Policy::Dynamo;
+    if (name == "llmd") return Policy::LLMD;
+    if (name == "preble") return Policy::Preble;
+    if (name == "ttft") return Policy::TTFT;
+    throw ValueError("unknown policy '" + name + "'");
+}
+
+// RouterConfig validated everything; this only copies its fields.
+RouterOptions options_from(py::handle config) {
+    RouterOptions o;
+    o.policy = policy_of(config.attr("policy").cast<std::string>());
+    const std::string mode = config.attr("mode").cast<std::string>();
+    o.mode = mode == "precise" ? IndexMode::Precise
+             : mode == "hybrid" ? IndexMode::Hybrid
+                                : IndexMode::Approximate;
+    o.block_size = config.attr("block_size").cast<std::size_t>();
+    o.salt = salt_bytes(config.attr("salt"));
+    py::object cap = config.attr("index_capacity");
+    if (!cap.is_none()) o.index_capacity = cap.cast<std::uint64_t>();
+    py::object ttl = config.attr("index_ttl");
+    if (!ttl.is_none()) o.index_ttl = ttl.cast<double>();
+    o.speculative_ttl = config.attr("speculative_ttl").cast<double>();
+    o.session_ttl = config.attr("session_ttl").cast<double>();
+    o.max_sessions = config.attr("max_sessions").cast<std::size_t>();
+    o.seed = config.attr("seed").cast<std::uint64_t>();
+    o.prefill_rate = config.attr("prefill_rate").cast<double>();
+    o.session_saturation = config.attr("session_saturation").cast<double>();
+    py::dict p = config.attr("params");
+    auto f = [&](const char* key, double& out) {
+        if (p.contains(key)) out = p[key].cast<double>();
+    };
+    auto i = [&](const char* key, std::int64_t& out) {
+        if (p.contains(key)) out = p[key].cast<std::int64_t>();
+    };
+    if (p.contains("vnodes")) o.vnodes = p["vnodes"].cast<std::uint32_t>();
+    if (p.contains("bound") && !p["bound"].is_none()) o.bound = p["bound"].cast<double>();
+    f("w_affinity", o.w_affinity);
+    f("w_load", o.w_load);
+    i("min_match_tokens", o.min_match_tokens);
+    f("escape_factor", o.escape_factor);
+    f("cache_threshold", o.cache_threshold);
+    i("balance_abs_threshold", o.balance_abs_threshold);
+    f("balance_rel_threshold", o.balance_rel_threshold);
+    f("prefill_load_scale", o.prefill_load_scale);
+    f("temperature", o.temperature);
+    f("w_prefix", o.w_prefix);
+    f("w_queue", o.w_queue);
+    f("w_kv", o.w_kv);
+    f("decode_weight", o.decode_weight);
+    return o;
+}
+
+// Keeps the RouterConfig object alive next to the core, for Router.config.
+struct PyRouter {
+    std::shared_ptr<Router> core;
+    py::object config;
+};
+
+py::object opt_int(const std::optional<std::int64_t>& v) {
+    return v ? py::object(py::int_(*v)) : py::object(py::none());
+}
+
+}  // namespace
+
+void register_router(py::module_& m) {
+    py::class_<Decision>(m, "Decision", "Where a request goes and why; `handle` is for prefill_done() and finish().")
+        .def_readonly("replica", &Decision::replica, "Name of the chosen replica.")
+        .def_readonly("replica_id", &Decision::replica_id, "Dense id of the chosen replica.")
+        .def_readonly("matched_blocks", &Decision::matched_blocks, "Leading prompt blocks it holds.")
+        .def_readonly("cached_tokens", &Decision::cached_tokens, "Tokens expected to be cached there.")
+        .def_readonly("prompt_tokens", &Decision::prompt_tokens, "Tokens of the prompt.")
+        .def_property_readonly("reason", [](const Decision& d) { return std::string(d.reason); },
+                               "Why this replica (see kvroute.config).")
+        .def_property_readonly("binding", [](const Decision& d) { return std::string(d.binding); },
+                               "Session binding: none, new, kept or rebound.")
+        .def_readonly("stranded_blocks", &Decision::stranded_blocks,
+                      "Blocks a rebound session left on its previous replica.")
+        .def_readonly("handle", &Decision::handle, "Handle for prefill_done() and finish().")
+        .def("__eq__",
+             [](const Decision& a, py::object other) {
+                 if (!py::isinstance<Decision>(other)) return false;
+                 const Decision& b = other.cast<const Decision&>();
+                 return a.replica == b.replica && a.replica_id == b.replica_id &&
+                        a.matched_blocks == b.matched_blocks && a.cached_tokens == b.cached_tokens &&
+                        a.prompt_tokens == b.prompt_tokens && std::string(a.reason) == b.reason &&
+                        std::string(a.binding) == b.binding && a.stranded_blocks == b.stranded_blocks &&
+                        a.handle == b.handle;
+             },
+             py::arg("other"))
+        .def("__repr__", [](const Decision& d) {
+            return "Decision(replica='" + d.replica + "', replica_id=" + std::to_string(d.replica_id) +
+                   ", matched_blocks=" + std::to_string(d.matched_blocks) +
+                   ", cached_tokens=" + std::to_string(d.cached_tokens) +
+                   ", prompt_tokens=" + std::to_string(d.prompt_tokens) + ", reason='" + d.reason +
+                   "', binding='" + d.binding + "', stranded_blocks=" + std::to_string(d.stranded_blocks) +
+                   ", handle=" + std::to_string(d.handle) + ")";
+        });
+
+    py::class_<PyRouter>(m, "Router",
+                         "Chooses a replica per request by KV-cache affinity versus load (see "
+                         "kvroute.reference.router for the contract).")
+        .def(py::init([](py::object config, py::object replicas) {
+                 py::object cls = py::module_::import("kvroute.config").attr("RouterConfig");
+                 if (config.is_none()) config = cls();
+                 if (!py::isinstance(config, cls))
+                     throw TypeError("config must be a RouterConfig or None, got " + type_name(config));
+                 auto r = std::make_unique<PyRouter>();
+                 r->core = std::make_shared<Router>(options_from(config));
+                 r->config = config;
+                 if (PyUnicode_Check(replicas.ptr()) || PyBytes_Check(replicas.ptr()))
+                     throw TypeError("replicas must be an iterable of names, got a single str");
+                 for (py::handle name : py::iter(replicas)) r->core->add_replica(name_arg(name));
+                 return r;
+             }),
+             py::arg("config") = py::none(), py::arg("replicas") = py::tuple())
+        .def_property_readonly("config", [](const PyRouter& r) { return r.config; },
+                               "The RouterConfig this router was built with.")
+        .def_property_readonly("index", [](const PyRouter& r) { return r.core->index(); },
+                               "The prefix index routing reads; events feed it.")
+        .def_property_readonly("speculative_index",
+                               [](const PyRouter& r) { return r.core->speculative_index(); },
+                               "Hybrid mode's short-TTL index of route-time insertions, else None.")
+        .def_property_readonly("replicas", [](const PyRouter& r) { return r.core->replicas(); },
+                               "Names of the replicas, in id order (removed ones left out).")
+        .def("replica_id", [](const PyRouter& r, py::handle name) { return r.core->replica_id(name_arg(name)); },
+             py::arg("name"), "The dense id of a replica (its id in router.index).")
+        .def("add_replica", [](PyRouter& r, py::handle name) { return r.core->add_replica(name_arg(name)); },
+             py::arg("name"), "Add a replica (healthy, not draining); returns its id (the lowest free one).")
+        .def("remove_replica",
+             [](PyRouter& r, py::handle name) {
+                 const std::string n = name_arg(name);
+                 py::gil_scoped_release release;  // walks the requests in flight and the index
+                 r.core->remove_replica(n);
+             },
+             py::arg("name"), "Remove a replica: its index blocks go, its in-flight requests are released.")
+        .def("drain",
+             [](PyRouter& r, py::handle name, py::handle draining) {
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);  // KeyError before the flag's TypeError, as the reference
+                 r.core->drain(n, flag_arg("draining", draining));
+             },
+             py::arg("name"), py::arg("draining") = true,
+             "Stop (or resume) sending new requests to a replica; its state is kept.")
+        .def("set_healthy",
+             [](PyRouter& r, py::handle name, py::handle healthy) {
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);
+                 r.core->set_healthy(n, flag_arg("healthy", healthy));
+             },
+             py::arg("name"), py::arg("healthy"), "Mark a replica healthy or not; an unhealthy replica is never chosen.")
+        .def("report_load",
+             [](PyRouter& r, py::handle name, py::handle waiting, py::handle running, py::handle kv_usage) {
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);
+                 std::optional<std::int64_t> w, run;
+                 std::optional<double> kv;
+                 if (!waiting.is_none()) w = count_arg("waiting", waiting);
+                 if (!running.is_none()) run = count_arg("running", running);
+                 if (!kv_usage.is_none()) {
+                     if (is_bool(kv_usage) || !is_number(kv_usage))
+                         throw TypeError("kv_usage must be a float, got " + type_name(kv_usage));
+                     py::float_ k(py::reinterpret_borrow<py::object>(kv_usage));
+                     const double v = k.cast<double>();
+                     if (!(v >= 0.0 && v <= 1.0))
+                         throw ValueError("kv_usage must be in [0, 1], got " + py::repr(k).cast<std::string>());
+                     kv = v;
+                 }
+                 r.core->report_load(n, w, run, kv);
+             },
+             py::arg("name"), py::kw_only(), py::arg("waiting") = py::none(), py::arg("running") = py::none(),
+             py::arg("kv_usage") = py::none(),
+             "Set engine-reported load figures (those given; None leaves a figure as it is).")
+        .def("load",
+             [](const PyRouter& r, py::handle name) {
+                 const ReplicaLoad l = r.core->load(name_arg(name));
+                 py::dict d;
+                 d["queued_prefill_tokens"] = l.queued_prefill_tokens;
+                 d["in_flight"] = l.in_flight;
+                 d["prefill_requests"] = l.prefill_requests;
+                 d["active_blocks"] = l.prefill_blocks + l.decode_blocks;
+                 d["prefill_blocks"] = l.prefill_blocks;
+                 d["decode_blocks"] = l.decode_blocks;
+                 d["waiting"] = opt_int(l.waiting);
+                 d["running"] = opt_int(l.running);
+                 d["kv_usage"] = l.kv_usage ? py::object(py::float_(*l.kv_usage)) : py::object(py::none());
+                 d["healthy"] = l.healthy;
+                 d["draining"] = l.draining;
+                 return d;
+             },
+             py::arg("name"), "A replica's load terms: the router's own accounting plus reported figures.")
+        .def("stats",
+             [](const PyRouter& r) {
+                 const RouterStats s = r.core->stats();
+                 py::dict d;
+                 d["routed"] = s.routed;
+                 d["prompt_tokens"] = s.prompt_tokens;
+                 d["cached_tokens"] = s.cached_tokens;
+                 d["rebinds"] = s.rebinds;
+                 d["stranded_blocks"] = s.stranded_blocks;
+                 d["session_expirations"] = s.session_expirations;
+                 d["session_evictions"] = s.session_evictions;
+                 d["sessions"] = s.sessions;
+                 d["in_flight"] = s.in_flight;
+                 d["replicas"] = s.replicas;
+                 return d;
+             },
+             "Counters: decisions, tokens, rebinds, sessions, requests in flight.")
+        .def("route",
+             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now) {
+                 TokenView view = tokens_as_uint32(tokens);
+                 const std::optional<std::string> s = session_arg(session);
+                 const std::optional<double> t = now_arg(now);
+                 py::gil_scoped_release release;  // hashing and the index walk loop over the prompt
+                 return r.core->route_tokens(view.data(), view.size(), s, t);
+             },
+             py::arg("tokens"), py::kw_only(), py::arg("session") = py::none(), py::arg("now") = py::none(),
+             "Route a prompt of token ids (hashed with config.block_size and config.salt).")
+        .def("route_hashes",
+             [](PyRouter& r, py::handle hashes, py::handle num_tokens, py::handle session, py::handle now) {
+                 HashView view = as_hashes(hashes, "hashes");
+                 const std::int64_t n = count_arg("num_tokens", num_tokens);
+                 const std::optional<std::string> s = session_arg(session);
+                 const std::optional<double> t = now_arg(now);
+                 py::gil_scoped_release release;  // the index walk loops over the prompt
+                 return r.core->route_hashes(view.data(), view.size(), n, s, t);
+             },
+             py::arg("hashes"), py::arg("num_tokens"), py::kw_only(), py::arg("session") = py::none(),
+             py::arg("now") = py::none(), "Route a prompt given as precomputed block hashes covering num_tokens tokens.")
+        .def("prefill_done",
+             [](PyRouter& r, py::handle handle, py::handle now) {
+                 std::string text;
+                 const std::optional<std::int64_t> h = handle_arg(handle, text);
+                 now_arg(now);
+                 if (!h) throw IndexError("unknown handle " + text);
+                 py::gil_scoped_release release;  // may wait for a route() in another thread
+                 r.core->prefill_done(*h);
+             },
+             py::arg("handle"), py::arg("now") = py::none(),
+             "The request produced its first token: its prompt moves from prefill to decode.")
+        .def("finish",
+             [](PyRouter& r, py::handle handle, py::handle now) {
+                 std::string text;
+                 const std::optional<std::int64_t> h = handle_arg(handle, text);
+                 now_arg(now);
+                 if (!h) throw IndexError("unknown handle " + text);
+                 py::gil_scoped_release release;  // may wait for a route() in another thread
+                 r.core->finish(*h);
+             },
+             py::arg("handle"), py::arg("now") = py::none(),
+             "The request ended (completed, failed or cancelled): release its load.");
+}
 
 }  // namespace kvroute::bindings

@@ -15,12 +15,18 @@ __version__ = "0.1.0"
 
 xxh3_64 = _backend.xxh3_64
 block_hashes = _backend.block_hashes
+Router = _backend.Router
+Decision = _backend.Decision
 EventApplier = _backend.EventApplier
+from .config import RouterConfig  # noqa: E402 - shared by both implementations
 
 __all__ = [
     "__version__",
     "implementation",
     "xxh3_64",
     "block_hashes",
+    "Router",
+    "Decision",
     "EventApplier",
+    "RouterConfig",
 ]
