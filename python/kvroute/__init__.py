@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 xxh3_64 = _backend.xxh3_64
 block_hashes = _backend.block_hashes
+PrefixIndex = _backend.PrefixIndex
 Router = _backend.Router
 Decision = _backend.Decision
 EventApplier = _backend.EventApplier
@@ -25,6 +26,7 @@ __all__ = [
     "implementation",
     "xxh3_64",
     "block_hashes",
+    "PrefixIndex",
     "Router",
     "Decision",
     "EventApplier",
