@@ -19,18 +19,38 @@ import pytest
 STUB = Path(__file__).resolve().parents[1] / "python" / "kvroute" / "_native.pyi"
 
 
+def _is_pybind11_metaclass_note(line: str) -> bool:
+    """stubtest flags every pybind11 class: its metaclass is pybind11_type, not type.
+
+    That metaclass is an implementation detail no stub should spell out, so this one
+    error is accepted, and only for classes whose runtime metaclass really is pybind11's.
+    """
+    suffix = " is inconsistent, metaclass differs"
+    if not line.startswith("kvroute._native.") or not line.endswith(suffix):
+        return False
+    native = pytest.importorskip("kvroute._native")
+    obj = native
+    for part in line[len("kvroute._native.") : -len(suffix)].split("."):
+        obj = getattr(obj, part, None)
+    return isinstance(obj, type) and type(obj).__name__ == "pybind11_type"
+
+
 def test_stubtest_passes():
     env = dict(os.environ)
     # stubtest imports the package; its own warnings must not turn into errors here.
     env.pop("PYTHONWARNINGS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "mypy.stubtest", "kvroute._native"],
+        [sys.executable, "-m", "mypy.stubtest", "kvroute._native", "--concise"],
         capture_output=True,
         text=True,
         env=env,
         check=False,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reported = [line for line in proc.stdout.splitlines() if line.strip()]
+    # A failure with nothing reported (a crash) must not pass as "only metaclass notes".
+    assert proc.returncode == 0 or reported, proc.stdout + proc.stderr
+    errors = [line for line in reported if not _is_pybind11_metaclass_note(line)]
+    assert not errors, "\n".join(errors)
 
 
 def _split_top_level(text: str) -> list[str]:
