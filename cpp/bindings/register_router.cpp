@@ -25,13 +25,22 @@ std::string type_name(py::handle h) {
     return py::str(py::type::handle_of(h).attr("__name__")).cast<std::string>();
 }
 
-py::module_& numpy() {
-    static py::module_ np = py::module_::import("numpy");
-    return np;
+// numpy's scalar types, looked up once. Leaked on purpose: a static py::object would be
+// released after the interpreter is finalized, which crashes at exit.
+struct NumpyTypes {
+    py::object bool_, integer, floating;
+};
+
+const NumpyTypes& numpy_types() {
+    static const NumpyTypes* types = [] {
+        py::module_ np = py::module_::import("numpy");
+        return new NumpyTypes{np.attr("bool_"), np.attr("integer"), np.attr("floating")};
+    }();
+    return *types;
 }
 
 bool is_bool(py::handle h) {
-    return PyBool_Check(h.ptr()) || py::isinstance(h, numpy().attr("bool_"));
+    return PyBool_Check(h.ptr()) || py::isinstance(h, numpy_types().bool_);
 }
 
 std::string name_arg(py::handle h) {
@@ -66,8 +75,8 @@ std::int64_t count_arg(const char* what, py::handle h) {
 }
 
 bool is_number(py::handle h) {
-    return PyLong_Check(h.ptr()) || PyFloat_Check(h.ptr()) ||
-           py::isinstance(h, numpy().attr("integer")) || py::isinstance(h, numpy().attr("floating"));
+    return PyLong_Check(h.ptr()) || PyFloat_Check(h.ptr()) || py::isinstance(h, numpy_types().integer) ||
+           py::isinstance(h, numpy_types().floating);
 }
 
 // The reference index's _now: None, or a finite int/float/numpy number.
