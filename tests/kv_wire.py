@@ -105,14 +105,30 @@ class Engine:
         return h
 
     def serve(self, tokens: list[int]) -> list[Any]:
-        """Cache the request's full blocks; returns the step's events."""
-        n = len(tokens) // self.ebs
+        """Cache one request's full blocks; returns the step's events."""
+        return self.step([tokens])
+
+    def step(self, requests: list[list[int]]) -> list[Any]:
+        """One engine step running several requests at once; returns its events.
+
+        Requests of one step only hit blocks cached before the step, so two requests sharing
+        a new prefix both store it: the same hash twice, on two physical blocks, as in vLLM.
+        Blocks the step's requests use are not evicted during it.
+        """
+        before = {h for h, c in self.count.items() if c > 0}
         used: set[int] = set()
+        events: list[Any] = []
+        for tokens in requests:
+            events += self._serve(tokens, before, used)
+        return events
+
+    def _serve(self, tokens: list[int], before: set[int], used: set[int]) -> list[Any]:
+        n = len(tokens) // self.ebs
         parent: int | None = None
         i = 0
         while i < n:
             h = self._hash(tuple(tokens[: (i + 1) * self.ebs]))
-            pid = next((b for b, bh in self.blocks.items() if bh == h), None) if self.count.get(h) else None
+            pid = next((b for b, bh in self.blocks.items() if bh == h), None) if h in before else None
             if pid is None:
                 break
             self.blocks.move_to_end(pid)
@@ -121,8 +137,7 @@ class Engine:
             i += 1
         new = [self._hash(tuple(tokens[: (j + 1) * self.ebs])) for j in range(i, n)]
         free = [b for b in self.blocks if b not in used]
-        room = self.capacity - len(used)
-        new = new[: max(0, room)]
+        new = new[: max(0, self.capacity - len(used))]
         evicted: list[int] = []
         while len(self.blocks) + len(new) > self.capacity:
             victim = free.pop(0)
@@ -133,6 +148,7 @@ class Engine:
             events.append(removed(self.fmt, [self.wire(h) for h in evicted]))
         if new:
             for h in new:
+                used.add(self._next_id)
                 self.blocks[self._next_id] = h
                 self._next_id += 1
                 self.count[h] = self.count.get(h, 0) + 1
