@@ -346,8 +346,7 @@ void register_router(py::module_& m) {
                  const std::optional<std::int64_t> h = handle_arg(handle, text);
                  now_arg(now);
                  if (!h) throw IndexError("unknown handle " + text);
-                 py::gil_scoped_release release;  // may wait for a route() in another thread
-                 r.core->prefill_done(*h);
+                 r.core->prefill_done(*h);  // O(1): keeps the GIL
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request produced its first token: its prompt moves from prefill to decode.")
@@ -357,8 +356,7 @@ void register_router(py::module_& m) {
                  const std::optional<std::int64_t> h = handle_arg(handle, text);
                  now_arg(now);
                  if (!h) throw IndexError("unknown handle " + text);
-                 py::gil_scoped_release release;  // may wait for a route() in another thread
-                 r.core->finish(*h);
+                 r.core->finish(*h);  // O(1): keeps the GIL
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request ended (completed, failed or cancelled): release its load.");

@@ -70,7 +70,8 @@ std::uint64_t fnv1a64(const void* data, std::size_t len) noexcept {
     return h;
 }
 
-Router::Router(RouterOptions options) : opt_(std::move(options)), rng_(opt_.seed) {
+Router::Router(RouterOptions options)
+    : opt_(std::move(options)), bs_(static_cast<std::int64_t>(opt_.block_size)), rng_(opt_.seed) {
     root_ = root_hash(opt_.salt.data(), opt_.salt.size());
     index_ = std::make_shared<PrefixIndex>(0, opt_.index_capacity, opt_.index_ttl, false);
     if (opt_.mode == IndexMode::Hybrid)
@@ -85,6 +86,9 @@ std::uint32_t Router::lookup(const std::string& name) const {
 
 void Router::reset_slot(std::uint32_t r) {
     loads_[r] = ReplicaLoad{};
+    inflight_[r] = 0;
+    queued_[r] = 0;
+    eligible_dirty_ = true;
 }
 
 std::uint32_t Router::add_replica(const std::string& name) {
@@ -98,6 +102,8 @@ std::uint32_t Router::add_replica(const std::string& name) {
         live_.push_back(0);
         gen_.push_back(0);
         loads_.emplace_back();
+        inflight_.push_back(0);
+        queued_.push_back(0);
     }
     reset_slot(r);
     names_[r] = name;
@@ -127,11 +133,13 @@ void Router::remove_replica(const std::string& name) {
 void Router::drain(const std::string& name, bool draining) {
     std::lock_guard<std::mutex> lock(mu_);
     loads_[lookup(name)].draining = draining;
+    eligible_dirty_ = true;
 }
 
 void Router::set_healthy(const std::string& name, bool healthy) {
     std::lock_guard<std::mutex> lock(mu_);
     loads_[lookup(name)].healthy = healthy;
+    eligible_dirty_ = true;
 }
 
 std::vector<std::string> Router::replicas() const {
@@ -158,7 +166,11 @@ void Router::report_load(const std::string& name, std::optional<std::int64_t> wa
 
 ReplicaLoad Router::load(const std::string& name) const {
     std::lock_guard<std::mutex> lock(mu_);
-    return loads_[lookup(name)];
+    const std::uint32_t r = lookup(name);
+    ReplicaLoad l = loads_[r];
+    l.in_flight = inflight_[r];
+    l.queued_prefill_tokens = queued_[r];
+    return l;
 }
 
 RouterStats Router::stats() const {
@@ -198,9 +210,10 @@ void Router::prefill_done(std::int64_t handle) {
     if (req.replica < 0) return;
     if (req.prefilled)
         throw StateError("request " + std::to_string(handle) + " already reported its first token");
-    ReplicaLoad& l = loads_[static_cast<std::size_t>(req.replica)];
+    const auto r = static_cast<std::size_t>(req.replica);
+    ReplicaLoad& l = loads_[r];
     req.prefilled = true;
-    l.queued_prefill_tokens -= req.uncached;
+    queued_[r] -= req.uncached;
     l.prefill_requests -= 1;
     l.prefill_blocks -= req.uncached_blocks;
     l.decode_blocks += req.blocks;
@@ -213,15 +226,16 @@ void Router::finish(std::int64_t handle) {
     const Request req = it->second;
     requests_.erase(it);
     if (req.replica < 0) return;
-    ReplicaLoad& l = loads_[static_cast<std::size_t>(req.replica)];
+    const auto r = static_cast<std::size_t>(req.replica);
+    ReplicaLoad& l = loads_[r];
     if (req.prefilled) {
         l.decode_blocks -= req.blocks;
     } else {
-        l.queued_prefill_tokens -= req.uncached;
+        queued_[r] -= req.uncached;
         l.prefill_requests -= 1;
         l.prefill_blocks -= req.uncached_blocks;
     }
-    l.in_flight -= 1;
+    inflight_[r] -= 1;
 }
 
 Decision Router::route_tokens(const std::uint32_t* tokens, std::size_t n,
@@ -243,11 +257,6 @@ Decision Router::route_hashes(const std::uint64_t* hashes, std::size_t n, std::i
     return route_locked(hashes, n, num_tokens, session, t);
 }
 
-std::int64_t Router::mtok(std::uint32_t r, std::int64_t num_tokens) const {
-    return std::min(static_cast<std::int64_t>(match_[r]) * static_cast<std::int64_t>(opt_.block_size),
-                    num_tokens);
-}
-
 const char* Router::generic_reason(const std::vector<std::uint32_t>& order,
                                    std::uint32_t chosen) const {
     std::int32_t top = 0;
@@ -258,7 +267,7 @@ const char* Router::generic_reason(const std::vector<std::uint32_t>& order,
 
 std::int64_t Router::capacity(const std::vector<std::uint32_t>& cands) const {
     std::int64_t total = 0;
-    for (std::uint32_t r : cands) total += loads_[r].in_flight;
+    for (std::uint32_t r : cands) total += inflight_[r];
     return static_cast<std::int64_t>(std::ceil(*opt_.bound * static_cast<double>(total + 1) /
                                                static_cast<double>(cands.size())));
 }
@@ -268,25 +277,25 @@ bool Router::saturated(std::uint32_t b, const std::vector<std::uint32_t>& eligib
     switch (opt_.policy) {
         case Policy::SGLang: {
             std::int64_t lo = std::numeric_limits<std::int64_t>::max();
-            for (std::uint32_t r : eligible) lo = std::min(lo, loads_[r].in_flight);
-            const std::int64_t load = loads_[b].in_flight;
+            for (std::uint32_t r : eligible) lo = std::min(lo, inflight_[r]);
+            const std::int64_t load = inflight_[b];
             return load - lo > opt_.balance_abs_threshold &&
                    static_cast<double>(load) > static_cast<double>(lo) * opt_.balance_rel_threshold;
         }
         case Policy::Linear: {
             std::int64_t sum = 0;
-            for (std::uint32_t r : eligible) sum += loads_[r].queued_prefill_tokens;
+            for (std::uint32_t r : eligible) sum += queued_[r];
             const double mean = static_cast<double>(sum) / n;
-            return static_cast<double>(loads_[b].queued_prefill_tokens) > opt_.escape_factor * mean;
+            return static_cast<double>(queued_[b]) > opt_.escape_factor * mean;
         }
         case Policy::Sticky:
             if (!opt_.bound) return false;
-            return loads_[b].in_flight >= capacity(eligible);
+            return inflight_[b] >= capacity(eligible);
         default: {
             std::int64_t sum = 0;
-            for (std::uint32_t r : eligible) sum += loads_[r].in_flight;
+            for (std::uint32_t r : eligible) sum += inflight_[r];
             const double mean = static_cast<double>(sum) / n;
-            return static_cast<double>(loads_[b].in_flight) >
+            return static_cast<double>(inflight_[b]) >
                    std::max(1.0, opt_.session_saturation * mean);
         }
     }
@@ -305,8 +314,10 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
     order.insert(order.end(), cands.begin(), cands.begin() + static_cast<std::ptrdiff_t>(k));
     const std::size_t n = order.size();
     const auto& L = loads_;
-    auto inflight = [&](std::uint32_t r) { return L[r].in_flight; };
-    auto queued = [&](std::uint32_t r) { return L[r].queued_prefill_tokens; };
+    const std::int64_t* F = inflight_.data();
+    const std::int64_t* Q = queued_.data();
+    auto inflight = [F](std::uint32_t r) { return F[r]; };
+    auto queued = [Q](std::uint32_t r) { return Q[r]; };
 
     switch (opt_.policy) {
         case Policy::RoundRobin:
@@ -321,7 +332,7 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
             std::size_t j = static_cast<std::size_t>(next_u64(rng) % (n - 1));
             if (j >= i) ++j;
             const std::uint32_t a = order[i], b = order[j];
-            return {L[b].in_flight < L[a].in_flight ? b : a, "balance"};
+            return {F[b] < F[a] ? b : a, "balance"};
         }
         case Policy::Sticky: {
             std::uint64_t key;
@@ -345,7 +356,7 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
             for (std::size_t i = 0; i < ring_.size(); ++i) {
                 const std::uint32_t r = ring_[(start + i) % ring_.size()].second;
                 if (!allowed_[r]) continue;
-                if (!bounded || L[r].in_flight < cap) return {r, first ? "hash" : "overflow"};
+                if (!bounded || F[r] < cap) return {r, first ? "hash" : "overflow"};
                 first = false;
             }
             throw StateError("Router invariant broken: bounded loads found no replica below capacity");
@@ -379,8 +390,8 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
         case Policy::SGLang: {
             std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = 0;
             for (std::uint32_t r : order) {
-                lo = std::min(lo, L[r].in_flight);
-                hi = std::max(hi, L[r].in_flight);
+                lo = std::min(lo, F[r]);
+                hi = std::max(hi, F[r]);
             }
             if (hi - lo > opt_.balance_abs_threshold &&
                 static_cast<double>(hi) > static_cast<double>(lo) * opt_.balance_rel_threshold)
@@ -465,7 +476,7 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
             const double dw = opt_.decode_weight;
             auto cost = [&](std::uint32_t r) {
                 return static_cast<double>(queued(r) + num_tokens - mtok(r, num_tokens)) +
-                       dw * static_cast<double>(L[r].in_flight);
+                       dw * static_cast<double>(F[r]);
             };
             std::int32_t top = 0;
             for (std::uint32_t r : order) top = std::max(top, match_[r]);
@@ -485,28 +496,38 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
         case Policy::TTFT:
         default: {
             // Queued + uncached tokens over one shared prefill rate: comparing tokens is exact.
-            struct Key {
-                std::int64_t tokens, neg_match, inflight;
-                bool operator<(const Key& o) const {
-                    if (tokens != o.tokens) return tokens < o.tokens;
-                    if (neg_match != o.neg_match) return neg_match < o.neg_match;
-                    return inflight < o.inflight;
+            // Ties: the longer match, then fewer in flight, then the rotation order.
+            const std::int32_t* M = match_.data();
+            std::uint32_t chosen = order[0];
+            std::int64_t best_tok = 0, best_m = -1, best_f = 0;
+            std::int32_t top = 0;
+            for (std::size_t i = 0; i < n; ++i) {
+                const std::uint32_t r = order[i];
+                const std::int64_t m = M[r];
+                top = std::max(top, M[r]);
+                const std::int64_t tok = Q[r] + num_tokens - std::min(m * bs_, num_tokens);
+                if (best_m < 0 || tok < best_tok ||
+                    (tok == best_tok && (m > best_m || (m == best_m && F[r] < best_f)))) {
+                    chosen = r;
+                    best_tok = tok;
+                    best_m = m;
+                    best_f = F[r];
                 }
-            };
-            const std::uint32_t chosen = argmin(order, [&](std::uint32_t r) {
-                return Key{queued(r) + num_tokens - mtok(r, num_tokens), -std::int64_t{match_[r]},
-                           L[r].in_flight};
-            });
-            return {chosen, generic_reason(order, chosen)};
+            }
+            const char* why = top == 0 ? "miss" : (M[chosen] == top ? "affinity" : "load");
+            return {chosen, why};
         }
     }
 }
 
 Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens,
                               const std::optional<std::string>& session, double t) {
-    eligible_.clear();
-    for (std::uint32_t r = 0; r < names_.size(); ++r)
-        if (live_[r] && loads_[r].healthy && !loads_[r].draining) eligible_.push_back(r);
+    if (eligible_dirty_) {
+        eligible_.clear();
+        for (std::uint32_t r = 0; r < names_.size(); ++r)
+            if (eligible(r)) eligible_.push_back(r);
+        eligible_dirty_ = false;
+    }
     if (eligible_.empty())
         throw StateError("no eligible replica: every replica is removed, drained or unhealthy");
     if (opt_.index_ttl) index_->expire(t);
@@ -539,8 +560,7 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
     }
     if (entry) {
         const std::uint32_t b = entry->replica;
-        const bool eligible_b = std::find(eligible_.begin(), eligible_.end(), b) != eligible_.end();
-        const bool valid = live_[b] && gen_[b] == entry->gen && eligible_b;
+        const bool valid = eligible(b) && gen_[b] == entry->gen;
         if (valid && !saturated(b, eligible_)) {
             chosen = b;
             reason = "session";
@@ -581,8 +601,8 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
     const std::int64_t h = next_handle_++;
     requests_.emplace(h, Request{chosen, num_tokens - cached, p, uncached_blocks, false});
     ReplicaLoad& l = loads_[chosen];
-    l.queued_prefill_tokens += num_tokens - cached;
-    l.in_flight += 1;
+    queued_[chosen] += num_tokens - cached;
+    inflight_[chosen] += 1;
     l.prefill_requests += 1;
     l.prefill_blocks += uncached_blocks;
     stats_.routed += 1;

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <algorithm>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -184,10 +185,16 @@ private:
                                                  const std::uint64_t* hashes);
     bool saturated(std::uint32_t b, const std::vector<std::uint32_t>& eligible) const;
     std::int64_t capacity(const std::vector<std::uint32_t>& cands) const;
-    std::int64_t mtok(std::uint32_t r, std::int64_t num_tokens) const;
+    std::int64_t mtok(std::uint32_t r, std::int64_t num_tokens) const {
+        return std::min(static_cast<std::int64_t>(match_[r]) * bs_, num_tokens);
+    }
+    bool eligible(std::uint32_t r) const {
+        return live_[r] && loads_[r].healthy && !loads_[r].draining;
+    }
     const char* generic_reason(const std::vector<std::uint32_t>& order, std::uint32_t chosen) const;
 
     const RouterOptions opt_;
+    const std::int64_t bs_;
     std::uint64_t root_ = 0;
     std::shared_ptr<PrefixIndex> index_;
     std::shared_ptr<PrefixIndex> spec_;
@@ -197,7 +204,10 @@ private:
     std::vector<char> live_;
     std::unordered_map<std::string, std::uint32_t> ids_;
     std::vector<std::uint64_t> gen_;
-    std::vector<ReplicaLoad> loads_;
+    std::vector<ReplicaLoad> loads_;  // in_flight and queued_prefill_tokens live in the two below
+    std::vector<std::int64_t> inflight_;  // hot in every decision: kept contiguous
+    std::vector<std::int64_t> queued_;
+    bool eligible_dirty_ = true;  // eligible_ is rebuilt only after a membership/flag change
     std::unordered_map<std::int64_t, Request> requests_;
     std::int64_t next_handle_ = 1;
     std::uint64_t rot_ = 0;
