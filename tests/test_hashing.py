@@ -375,3 +375,17 @@ def test_threads_hash_concurrently(impl):
     for t in threads:
         t.join()
     assert [results[i] for i in range(len(prompts))] == want
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16, 17, 100])
+@pytest.mark.parametrize("where", [0, 15, 16, 500, 1023, 1029])
+def test_negative_int32_anywhere(block_size, where):
+    # int32 input is sign-checked inside the hashing pass; a negative token in a hashed block
+    # or in the unhashed tail must fail the same way as in the reference.
+    tokens = np.arange(1030, dtype=np.int32)
+    tokens[where] = -where - 1
+    assert same(lambda m: m.block_hashes(tokens, block_size)) == (
+        "raise",
+        ("ValueError", f"token {-where - 1} at index {where} is out of range [0, 2**32)"),
+    )
+    assert same(lambda m: m.block_hashes(tokens, block_size, salt=3))[1][1].startswith("token")

@@ -77,18 +77,35 @@ std::uint64_t hash_bytes(py::handle data, py::handle seed) {
 py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size, py::handle salt) {
     // Same check order as the reference, so that the first error reported is the same.
     const std::size_t size = check_block_size(block_size);
-    const TokenView view = tokens_as_uint32(tokens);
-    const std::string salt_data = salt_bytes(salt);
+    // int32 tokens are sign-checked inside the hashing pass below, not in a pass of their own.
+    const TokenView view = tokens_as_uint32(tokens, /*defer_sign_check=*/true);
+    std::string salt_data;
+    try {
+        salt_data = salt_bytes(salt);
+    } catch (...) {
+        view.check_sign();  // a bad token outranks a bad salt, as in the reference
+        throw;
+    }
     const std::size_t count = view.size() / size;
     py::array_t<std::uint64_t> out(static_cast<py::ssize_t>(count));
     std::uint64_t* dst = out.mutable_data();
     const std::uint64_t root = root_hash(salt_data.data(), salt_data.size());
-    if (count * size * sizeof(std::uint32_t) < kReleaseGilBytes) {
-        chain_hashes(view.data(), view.size(), size, root, dst);
+    std::uint32_t seen = 0;
+    auto run = [&] {
+        if (!view.sign_unchecked()) {
+            chain_hashes(view.data(), view.size(), size, root, dst);
+            return;
+        }
+        chain_hashes(view.data(), view.size(), size, root, dst, &seen);
+    };
+    if (view.size() * sizeof(std::uint32_t) < kReleaseGilBytes) {
+        run();
     } else {
         py::gil_scoped_release release;  // the chain is a loop over the tokens; no refcounts touched
-        chain_hashes(view.data(), view.size(), size, root, dst);
+        run();
     }
+    // The top bit of an int32 token is its sign: a negative token fails the call, hashes unseen.
+    if (seen >> 31) view.check_sign();
     return out;
 }
 

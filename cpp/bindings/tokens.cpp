@@ -101,7 +101,13 @@ void narrow_tokens<std::uint64_t>(const std::uint64_t* src, std::size_t n, std::
 
 }  // namespace
 
-TokenView tokens_as_uint32(py::handle tokens) {
+void TokenView::check_sign() const {
+    if (!sign_unchecked_) return;
+    const auto* p = reinterpret_cast<const std::int32_t*>(data_);
+    if (or_reduce(p, size_) < 0) bad_token_at<std::int32_t>(p, size_, [](std::int32_t v) { return v < 0; });
+}
+
+TokenView tokens_as_uint32(py::handle tokens, bool defer_sign_check) {
     TokenView view;
     py::object arr_obj;
     if (py::isinstance<py::array>(tokens)) {
@@ -116,26 +122,41 @@ TokenView tokens_as_uint32(py::handle tokens) {
         py::module_ np = py::module_::import("numpy");
         arr_obj = np.attr("frombuffer")(tokens, py::arg("dtype") = np.attr("dtype")(typecode));
     } else if (PyList_Check(tokens.ptr()) || PyTuple_Check(tokens.ptr())) {
-        py::sequence seq = py::reinterpret_borrow<py::sequence>(tokens);
-        const std::size_t n = seq.size();
-        view.owned_.resize(n);
-        for (std::size_t i = 0; i < n; ++i) {
-            py::object item = seq[i];
+        const bool is_list = PyList_Check(tokens.ptr());
+        auto length = [&] { return static_cast<std::size_t>(is_list ? PyList_GET_SIZE(tokens.ptr()) : PyTuple_GET_SIZE(tokens.ptr())); };
+        view.owned_.resize(length());
+        // Re-read the length each step: an item's __index__ may run code that resizes the list.
+        for (std::size_t i = 0; i < length(); ++i) {
+            const auto at = static_cast<Py_ssize_t>(i);
+            PyObject* item = is_list ? PyList_GET_ITEM(tokens.ptr(), at) : PyTuple_GET_ITEM(tokens.ptr(), at);
+            if (PyLong_CheckExact(item)) {
+                int overflow = 0;
+                const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+                if (overflow == 0 && value >= 0 && value <= 0xFFFFFFFFLL) {
+                    if (i >= view.owned_.size()) view.owned_.resize(i + 1);
+                    view.owned_[i] = static_cast<std::uint32_t>(value);
+                    continue;
+                }
+            }
+            // Slow path, holding its own reference: bools, numpy integers, other __index__ types.
+            py::object held = py::reinterpret_borrow<py::object>(item);
             py::object index;
-            if (PyLong_CheckExact(item.ptr())) {
-                index = item;
+            if (PyLong_CheckExact(item)) {
+                index = held;
             } else {
-                if (!is_bool(item)) index = as_index(item);
+                if (!is_bool(held)) index = as_index(held);
                 if (!index) {
-                    throw TypeError("tokens[" + std::to_string(i) + "] must be an int, got " + type_name(item));
+                    throw TypeError("tokens[" + std::to_string(i) + "] must be an int, got " + type_name(held));
                 }
             }
             long long value = 0;
             if (!int_in_range(index, 0, 0xFFFFFFFFLL, value)) bad_token(py::str(index).cast<std::string>(), i);
+            if (i >= view.owned_.size()) view.owned_.resize(i + 1);
             view.owned_[i] = static_cast<std::uint32_t>(value);
         }
+        view.owned_.resize(length());
         view.data_ = view.owned_.data();
-        view.size_ = n;
+        view.size_ = view.owned_.size();
         return view;
     } else {
         throw TypeError(
@@ -165,7 +186,8 @@ TokenView tokens_as_uint32(py::handle tokens) {
         case 4: {
             // int32 is read in place: one OR-reduction finds any negative token.
             const auto* p = static_cast<const std::int32_t*>(ptr);
-            if (or_reduce(p, n) < 0) bad_token_at<std::int32_t>(p, n, [](std::int32_t v) { return v < 0; });
+            view.sign_unchecked_ = defer_sign_check;
+            if (!defer_sign_check && or_reduce(p, n) < 0) bad_token_at<std::int32_t>(p, n, [](std::int32_t v) { return v < 0; });
             view.data_ = reinterpret_cast<const std::uint32_t*>(p);
             view.size_ = n;
             view.keep_ = std::move(arr);

@@ -26,19 +26,26 @@ public:
     const std::uint32_t* data() const noexcept { return data_; }
     /// Number of tokens.
     std::size_t size() const noexcept { return size_; }
+    /// True when the tokens are int32 whose sign check was deferred (tokens_as_uint32's
+    /// defer_sign_check): a token with its top bit set is then a negative input.
+    bool sign_unchecked() const noexcept { return sign_unchecked_; }
+    /// The deferred check: raises the reference's ValueError naming the first negative token.
+    void check_sign() const;
 
 private:
-    friend TokenView tokens_as_uint32(pybind11::handle tokens);
+    friend TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_sign_check);
     const std::uint32_t* data_ = nullptr;
     std::size_t size_ = 0;
+    bool sign_unchecked_ = false;
     pybind11::object keep_;             // the array read in place (zero-copy case)
     std::vector<std::uint32_t> owned_;  // converted tokens (list, other dtypes)
 };
 
 /// Tokens (1-D integer numpy array, list/tuple of ints, array.array) as uint32; zero-copy
 /// for contiguous native-endian int32/uint32. Raises the reference's TypeError/ValueError.
-/// Needs the GIL.
-TokenView tokens_as_uint32(pybind11::handle tokens);
+/// With defer_sign_check, int32 input is not scanned for negatives: the caller must run
+/// check_sign() (or an equivalent fused check) before it reports any result. Needs the GIL.
+TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_sign_check = false);
 
 /// block_size as an int in [1, 65536], else the reference's TypeError/ValueError.
 std::size_t check_block_size(pybind11::handle block_size);

@@ -21,4 +21,9 @@ std::uint64_t root_hash(const void* salt, std::size_t len) noexcept;
 std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t block_size,
                          std::uint64_t seed, std::uint64_t* out) noexcept;
 
+/// chain_hashes that also stores in *seen the bitwise OR of all n_tokens tokens (the unhashed
+/// tail too), so that a caller can range-check signed input in the same pass over memory.
+std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t block_size,
+                         std::uint64_t seed, std::uint64_t* out, std::uint32_t* seen) noexcept;
+
 }  // namespace kvroute
