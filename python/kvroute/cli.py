@@ -20,6 +20,65 @@ def _cmd_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from . import sim
+    from .sim import report
+
+    name, *rest = args.workload
+    if name not in sim.WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(sim.WORKLOADS)}")
+    if (name == "trace") != bool(rest) or len(rest) > 1:
+        raise ValueError("use --workload trace PATH (a PATH only with trace)")
+    path = rest[0] if rest else None
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"trace file {path!r} does not exist")
+    specs = [sim.router_spec(r) for r in args.routers.split(",") if r.strip()]
+    if not specs:
+        raise ValueError("--routers names no router")
+    fleet = sim.FleetParams(
+        replicas=args.replicas, seed=args.seed, knowledge=args.knowledge, event_delay=args.event_delay,
+        **({} if args.cache_tokens is None else {"cache_tokens": args.cache_tokens}),
+        **({} if args.prefill_rate is None else {"prefill_rate": args.prefill_rate}),
+    )
+    workload = sim.build_workload(name, path=path, replicas=args.replicas, seed=args.seed,
+                                  time_scale=args.time_scale, rate=args.rate)
+    results = []
+    show = not args.json and sys.stderr.isatty() or args.progress
+    if show:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("{task.description:<14}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+            tasks = {s.name: bar.add_task(s.name, total=workload.num_requests) for s in specs}
+            for spec in specs:
+                results += sim.compare(workload, [spec], fleet,
+                                       progress=lambda n, done, total: bar.update(tasks[n], completed=done))
+    else:
+        results = sim.compare(workload, specs, fleet)
+    context = {
+        "workload": {"name": workload.name, "description": workload.description,
+                     "requests": workload.num_requests, "input_tokens": workload.input_tokens,
+                     "block_tokens": workload.block_tokens},
+        "fleet": {k: getattr(fleet, k) for k in fleet.__dataclass_fields__},
+        "implementation": kvroute.implementation,
+    }
+    if args.plot:
+        report.plot(results, args.plot, f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge}")
+    if args.json:
+        print(json.dumps(report.as_json(results, **context), indent=2))
+    else:
+        print(f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge} knowledge "
+              f"({kvroute.implementation} implementation)")
+        print(report.text_table(results))
+        if args.plot:
+            print(f"per-replica prefill seconds: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=kvroute.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvroute {kvroute.__version__}")
@@ -30,7 +89,31 @@ def build_parser() -> argparse.ArgumentParser:
     p_hash.add_argument("--block-size", type=int, default=16)
     p_hash.add_argument("--salt", default=None)
     p_hash.set_defaults(func=_cmd_hash)
+    p_sim = sub.add_parser("simulate", help="compare routers on a simulated fleet (kvroute.sim)")
+    p_sim.add_argument("--workload", nargs="+", default=["chat"], metavar="NAME",
+                       help="chat (default), shared-prefix, or trace PATH (a Mooncake JSONL trace)")
+    p_sim.add_argument("--routers", default=",".join(_default_routers()),
+                       help="comma-separated router names (default: %(default)s)")
+    p_sim.add_argument("--replicas", type=int, default=8)
+    p_sim.add_argument("--seed", type=int, default=0)
+    p_sim.add_argument("--knowledge", default="precise", choices=("precise", "approximate", "hybrid"),
+                       help="what the router knows of the caches (default: precise)")
+    p_sim.add_argument("--event-delay", type=float, default=0.0, help="seconds before the router sees a cache change")
+    p_sim.add_argument("--cache-tokens", type=int, default=None, help="KV cache per replica in tokens")
+    p_sim.add_argument("--prefill-rate", type=float, default=None, help="prefill tokens per second per replica")
+    p_sim.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times by this")
+    p_sim.add_argument("--rate", type=float, default=None, help="shared-prefix: requests per second (default: all at t=0)")
+    p_sim.add_argument("--json", action="store_true", help="print the results as JSON")
+    p_sim.add_argument("--plot", metavar="FILE.png", help="draw per-replica prefill seconds per router")
+    p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    p_sim.set_defaults(func=_cmd_simulate)
     return parser
+
+
+def _default_routers() -> tuple[str, ...]:
+    from .sim.routers import DEFAULT_ROUTERS
+
+    return DEFAULT_ROUTERS
 
 
 def main(argv: list[str] | None = None) -> int:
