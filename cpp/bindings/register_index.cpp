@@ -126,6 +126,18 @@ std::shared_ptr<PrefixIndex> make_index(py::handle num_replicas, py::handle capa
     return std::make_shared<PrefixIndex>(static_cast<std::uint32_t>(n), cap, t, record);
 }
 
+// Below this many hashes a walk takes less time than releasing and retaking the GIL.
+constexpr std::size_t kReleaseGilHashes = 1024;
+
+/// f() with the GIL released when it loops over at least kReleaseGilHashes hashes; f must
+/// touch no Python object.
+template <class F>
+auto without_gil_if_long(std::size_t n, F&& f) {
+    if (n < kReleaseGilHashes) return f();
+    py::gil_scoped_release release;
+    return f();
+}
+
 template <class T>
 py::array_t<T> to_array(const std::vector<T>& v) {
     py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
@@ -186,8 +198,7 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
                 const std::int64_t r = replica_arg(ix, replica);
                 const HashView h = as_hashes(hashes);
                 const double t = now_arg(now);
-                py::gil_scoped_release release;  // the walk touches no Python object
-                return ix.insert(r, h.data(), h.size(), t);
+                return without_gil_if_long(h.size(), [&] { return ix.insert(r, h.data(), h.size(), t); });
             },
             py::arg("replica"), py::arg("hashes"), py::arg("now") = py::none(),
             "The replica holds the chain `hashes` (block 0 first); returns blocks newly held.")
@@ -198,8 +209,8 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
                 const std::uint64_t parent = as_hash(parent_hash, "parent_hash");
                 const HashView h = as_hashes(hashes);
                 const double t = now_arg(now);
-                py::gil_scoped_release release;  // the walk touches no Python object
-                return ix.store_after(r, parent, h.data(), h.size(), t);
+                return without_gil_if_long(h.size(),
+                                           [&] { return ix.store_after(r, parent, h.data(), h.size(), t); });
             },
             py::arg("replica"), py::arg("parent_hash"), py::arg("hashes"), py::arg("now") = py::none(),
             "The replica holds `hashes`, continuing the chain after block `parent_hash`; returns blocks newly "
@@ -209,10 +220,7 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
             [](const PrefixIndex& ix, py::handle hashes) {
                 const HashView h = as_hashes(hashes);
                 thread_local std::vector<std::int32_t> out;
-                {
-                    py::gil_scoped_release release;  // the walk touches no Python object
-                    ix.match(h.data(), h.size(), out);
-                }
+                without_gil_if_long(h.size(), [&] { ix.match(h.data(), h.size(), out); });
                 return to_array(out);
             },
             py::arg("hashes"), "For every replica id, how many leading blocks of `hashes` it holds (int32 array).")
@@ -221,8 +229,7 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
             [](PrefixIndex& ix, py::handle replica, py::handle hashes) {
                 const std::int64_t r = replica_arg(ix, replica);
                 const HashView h = as_hashes(hashes);
-                py::gil_scoped_release release;  // a loop over the hashes
-                return ix.remove(r, h.data(), h.size());
+                return without_gil_if_long(h.size(), [&] { return ix.remove(r, h.data(), h.size()); });
             },
             py::arg("replica"), py::arg("hashes"),
             "The replica stops holding these blocks (any order); returns how many it held. Hashes it does not "
@@ -233,8 +240,7 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
                 const std::int64_t r = replica_arg(ix, replica);
                 const HashView h = as_hashes(hashes);
                 const double t = now_arg(now);
-                py::gil_scoped_release release;  // a loop over the hashes
-                return ix.touch(r, h.data(), h.size(), t);
+                return without_gil_if_long(h.size(), [&] { return ix.touch(r, h.data(), h.size(), t); });
             },
             py::arg("replica"), py::arg("hashes"), py::arg("now") = py::none(),
             "Refresh the recency of the blocks the replica holds among `hashes`, deepest first. Returns how many "

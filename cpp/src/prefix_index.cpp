@@ -23,12 +23,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <new>
 #include <set>
 #include <shared_mutex>
 #include <string>
 #include <utility>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "kvroute/bitset.hpp"
 #include "kvroute/errors.hpp"
@@ -66,16 +71,72 @@ struct Slot {
     std::uint32_t b;  // block table: position; pair table: LRU entry id
 };
 
+/// A fixed-size, value-filled array for the big tables. Lookups are random accesses, and
+/// with 4 KiB pages most of them would miss the TLB too, so on Linux arrays of 2 MiB and
+/// more are 2 MiB-aligned and asked for transparent huge pages before they are touched.
+template <class T>
+class BigArray {
+public:
+    BigArray() = default;
+    BigArray(const BigArray&) = delete;
+    BigArray& operator=(const BigArray&) = delete;
+    ~BigArray() { std::free(p_); }
+    void swap(BigArray& o) noexcept {
+        std::swap(p_, o.p_);
+        std::swap(n_, o.n_);
+        std::swap(bytes_, o.bytes_);
+    }
+    /// n copies of v (previous contents dropped).
+    void assign(std::size_t n, const T& v) {
+        BigArray next;
+        if (n) {
+            std::size_t bytes = n * sizeof(T);
+            void* p = nullptr;
+            if (bytes >= kHuge) {
+                bytes = (bytes + kHuge - 1) / kHuge * kHuge;
+                p = std::aligned_alloc(kHuge, bytes);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+                if (p) ::madvise(p, bytes, MADV_HUGEPAGE);  // advice only: failure is harmless
+#endif
+            } else {
+                p = std::malloc(bytes);
+            }
+            if (!p) throw std::bad_alloc();
+            next.p_ = static_cast<T*>(p);
+            next.n_ = n;
+            next.bytes_ = bytes;
+            std::uninitialized_fill_n(next.p_, n, v);
+        }
+        swap(next);
+    }
+    bool empty() const noexcept { return n_ == 0; }
+    std::size_t size() const noexcept { return n_; }
+    std::size_t bytes() const noexcept { return bytes_; }
+    T* data() noexcept { return p_; }
+    T& operator[](std::size_t i) noexcept { return p_[i]; }
+    const T& operator[](std::size_t i) const noexcept { return p_[i]; }
+
+private:
+    static constexpr std::size_t kHuge = std::size_t{2} << 20;
+    T* p_ = nullptr;
+    std::size_t n_ = 0;
+    std::size_t bytes_ = 0;
+};
+
 /// Linear-probing hash table with backward-shift deletion and 1.5x growth (memory per
 /// entry stays within 20-30 bytes instead of the 16-32 a power-of-two table swings over).
+/// A parallel array of one-byte tags (0 = empty) is what probing scans: a lookup of an
+/// absent key, common when a chain grows, reads one line of tags instead of a run of
+/// 16-byte slots, and the tag array of a 1M-block index (~1.5 MB) stays in cache.
 /// kPair keys on (hash, a); otherwise on hash alone.
 template <bool kPair>
 class Table {
 public:
     std::size_t size() const noexcept { return count_; }
-    std::size_t bytes() const noexcept { return slots_.capacity() * sizeof(Slot); }
+    std::size_t bytes() const noexcept { return slots_.bytes() + tags_.bytes(); }
     void clear() {
-        std::vector<Slot>().swap(slots_);
+        BigArray<Slot>().swap(slots_);
+        BigArray<std::uint8_t>().swap(tags_);
         count_ = 0;
     }
     Slot* find(std::uint64_t h, std::uint32_t a = 0) noexcept {
@@ -83,12 +144,17 @@ public:
     }
     const Slot* find(std::uint64_t h, std::uint32_t a = 0) const noexcept {
         if (slots_.empty()) return nullptr;
-        std::size_t i = home(h, a);
+        const std::uint64_t k = key(h, a);
+        const std::uint8_t tag = tag_of(k);
+        std::size_t i = range(k);
         const std::size_t n = slots_.size();
         for (;;) {
-            const Slot& s = slots_[i];
-            if (s.a == kNil) return nullptr;
-            if (s.hash == h && (!kPair || s.a == a)) return &s;
+            const std::uint8_t t = tags_[i];
+            if (t == 0) return nullptr;
+            if (t == tag) {
+                const Slot& s = slots_[i];
+                if (s.hash == h && (!kPair || s.a == a)) return &s;
+            }
             if (++i == n) i = 0;
         }
     }
@@ -107,19 +173,29 @@ public:
         const std::size_t n = slots_.size();
         std::size_t i = static_cast<std::size_t>(s - slots_.data());
         std::size_t j = i;
+        tags_[i] = 0;
         slots_[i].a = kNil;
         for (;;) {
             if (++j == n) j = 0;
-            if (slots_[j].a == kNil) break;
-            const std::size_t k = home(slots_[j].hash, slots_[j].a);
+            if (tags_[j] == 0) break;
+            const std::size_t k = range(key(slots_[j].hash, slots_[j].a));
             // Slot j may move back to i unless its home lies cyclically in (i, j].
             const bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
             if (stays) continue;
             slots_[i] = slots_[j];
+            tags_[i] = tags_[j];
             slots_[j].a = kNil;
+            tags_[j] = 0;
             i = j;
         }
         --count_;
+    }
+    /// Starts loading the lines a lookup of h will read, so several misses overlap.
+    void prefetch(std::uint64_t h, std::uint32_t a = 0) const noexcept {
+        if (slots_.empty()) return;
+        const std::size_t i = range(key(h, a));
+        __builtin_prefetch(&tags_[i]);
+        __builtin_prefetch(&slots_[i]);
     }
     /// Shrinks when mostly empty, so memory follows what is held.
     void maybe_shrink() {
@@ -128,43 +204,58 @@ public:
             rehash(want);
         }
     }
-    template <class Fn>
-    void for_each(Fn&& fn) const {
-        for (const Slot& s : slots_)
-            if (s.a != kNil) fn(s);
-    }
 
 private:
-    std::size_t home(std::uint64_t h, std::uint32_t a) const noexcept {
-        const std::uint64_t k = kPair ? mix64(h ^ (std::uint64_t{a} * 0x9E3779B97F4A7C15ULL)) : mix64(h);
+    static std::uint64_t key(std::uint64_t h, std::uint32_t a) noexcept {
+        return kPair ? mix64(h ^ (std::uint64_t{a} * 0x9E3779B97F4A7C15ULL)) : mix64(h);
+    }
+    // The slot comes from the key's high bits, the tag from its low bits: independent.
+    static std::uint8_t tag_of(std::uint64_t k) noexcept { return static_cast<std::uint8_t>(0x80u | (k & 0x7Fu)); }
+    std::size_t range(std::uint64_t k) const noexcept {
         return static_cast<std::size_t>((static_cast<unsigned __int128>(k) * slots_.size()) >> 64);
     }
     void place(const Slot& s) noexcept {
-        std::size_t i = home(s.hash, s.a);
+        const std::uint64_t k = key(s.hash, s.a);
+        std::size_t i = range(k);
         const std::size_t n = slots_.size();
-        while (slots_[i].a != kNil)
+        while (tags_[i] != 0)
             if (++i == n) i = 0;
         slots_[i] = s;
+        tags_[i] = tag_of(k);
     }
     void rehash(std::size_t want) {
-        std::vector<Slot> old;
+        BigArray<Slot> old;
         old.swap(slots_);
+        BigArray<std::uint8_t> old_tags;
+        old_tags.swap(tags_);
         slots_.assign(want, Slot{0, kNil, 0});
-        for (const Slot& s : old)
-            if (s.a != kNil) place(s);
+        tags_.assign(want, 0);
+        for (std::size_t i = 0; i < old.size(); ++i)
+            if (old_tags[i] != 0) place(old[i]);
     }
-    std::vector<Slot> slots_;
+    BigArray<Slot> slots_;
+    BigArray<std::uint8_t> tags_;
     std::size_t count_ = 0;
 };
 
-/// A run of blocks with one owner set. 48 bytes; runs of one block are stored inline.
+/// Length of the common prefix of a[0, m) and b[0, m).
+inline std::size_t common_prefix(const std::uint64_t* a, const std::uint64_t* b, std::size_t m) noexcept {
+    // Runs usually match in full: one memcmp (vectorized in libc) settles that case.
+    if (std::memcmp(a, b, m * sizeof(std::uint64_t)) == 0) return m;
+    std::size_t k = 0;
+    while (a[k] == b[k]) ++k;
+    return k;
+}
+
+/// A run of blocks with one owner set. 56 bytes; runs of one block are stored inline.
 struct Node {
     union {
-        std::uint64_t* ptr;
+        std::uint64_t* ptr;  // malloc'd storage; the run starts `skip` hashes in
         std::uint64_t one;
     } run;
     std::uint32_t len;
     std::uint32_t cap;
+    std::uint32_t skip;  // hashes dropped from the front without moving the rest
     std::uint32_t base;  // table position of run[0]; positions wrap modulo 2**32
     std::uint32_t parent;
     std::uint32_t first_child;
@@ -243,11 +334,11 @@ struct PrefixIndex::Impl {
 
     std::uint64_t* run(std::uint32_t n) noexcept {
         Node& x = nodes[n];
-        return x.cap <= 1 ? &x.run.one : x.run.ptr;
+        return x.cap <= 1 ? &x.run.one : x.run.ptr + x.skip;
     }
     const std::uint64_t* run(std::uint32_t n) const noexcept {
         const Node& x = nodes[n];
-        return x.cap <= 1 ? &x.run.one : x.run.ptr;
+        return x.cap <= 1 ? &x.run.one : x.run.ptr + x.skip;
     }
     std::uint64_t* own(std::uint32_t n) noexcept { return owners.data() + std::size_t{n} * stride; }
     const std::uint64_t* own(std::uint32_t n) const noexcept {
@@ -286,7 +377,7 @@ struct PrefixIndex::Impl {
         table.clear();
         nodes.push_back(Node{});
         Node& root = nodes[0];
-        root.len = root.cap = root.base = 0;
+        root.len = root.cap = root.base = root.skip = 0;
         root.parent = root.first_child = root.next_sib = root.prev_sib = kNil;
         root.nchildren = root.nowners = 0;
         root.live = 1;
@@ -317,7 +408,7 @@ struct PrefixIndex::Impl {
         }
         Node& x = nodes[id];
         x.run.ptr = nullptr;
-        x.len = x.cap = x.base = 0;
+        x.len = x.cap = x.base = x.skip = 0;
         x.parent = x.first_child = x.next_sib = x.prev_sib = kNil;
         x.nchildren = x.nowners = 0;
         x.live = 1;
@@ -332,20 +423,24 @@ struct PrefixIndex::Impl {
             std::free(x.run.ptr);
             run_bytes -= std::uint64_t{x.cap} * sizeof(std::uint64_t);
         }
-        x.cap = x.len = 0;
+        x.cap = x.len = x.skip = 0;
         x.live = 0;
         x.next_sib = free_nodes;
         free_nodes = n;
         --live_nodes;
     }
-    /// Makes room for `want` hashes in n's run, keeping its contents.
+    /// Makes room for `want` hashes in n's run, keeping its contents. A run that grows again
+    /// grows by half, so repeated appends and merges cost amortized O(1) per hash.
     void reserve_run(std::uint32_t n, std::uint32_t want) {
         Node& x = nodes[n];
-        if (want <= x.cap || want <= 1) {
-            if (x.cap == 0) x.cap = 1;
+        if (x.cap <= 1 && want <= 1) {
+            x.cap = 1;
             return;
         }
-        auto* p = static_cast<std::uint64_t*>(std::malloc(std::size_t{want} * sizeof(std::uint64_t)));
+        if (x.cap > 1 && std::uint64_t{x.skip} + want <= x.cap) return;
+        std::uint32_t cap = want;
+        if (x.cap > 1) cap = std::max(want, x.len + x.len / 2);
+        auto* p = static_cast<std::uint64_t*>(std::malloc(std::size_t{cap} * sizeof(std::uint64_t)));
         if (!p) throw std::bad_alloc();
         std::memcpy(p, run(n), std::size_t{x.len} * sizeof(std::uint64_t));
         if (x.cap > 1) {
@@ -353,26 +448,29 @@ struct PrefixIndex::Impl {
             run_bytes -= std::uint64_t{x.cap} * sizeof(std::uint64_t);
         }
         x.run.ptr = p;
-        x.cap = want;
-        run_bytes += std::uint64_t{want} * sizeof(std::uint64_t);
+        x.cap = cap;
+        x.skip = 0;
+        run_bytes += std::uint64_t{cap} * sizeof(std::uint64_t);
     }
     /// Gives back run storage after a run got much shorter.
     void shrink_run(std::uint32_t n) {
         Node& x = nodes[n];
         if (x.cap <= 1 || std::uint64_t{x.len} * 2 >= x.cap) return;
         std::uint64_t* old = x.run.ptr;
+        const std::uint64_t* data = old + x.skip;
         const std::uint32_t oldcap = x.cap;
         if (x.len <= 1) {
-            x.run.one = old[0];
+            x.run.one = data[0];
             x.cap = 1;
         } else {
             auto* p = static_cast<std::uint64_t*>(std::malloc(std::size_t{x.len} * sizeof(std::uint64_t)));
             if (!p) return;  // keeping the larger buffer is correct, only wasteful
-            std::memcpy(p, old, std::size_t{x.len} * sizeof(std::uint64_t));
+            std::memcpy(p, data, std::size_t{x.len} * sizeof(std::uint64_t));
             x.run.ptr = p;
             x.cap = x.len;
             run_bytes += std::uint64_t{x.len} * sizeof(std::uint64_t);
         }
+        x.skip = 0;
         std::free(old);
         run_bytes -= std::uint64_t{oldcap} * sizeof(std::uint64_t);
     }
@@ -470,8 +568,7 @@ struct PrefixIndex::Impl {
             std::memcpy(run(m), run(n), std::size_t{off} * sizeof(std::uint64_t));
             nodes[m].len = off;
             update_positions(m, 0, off);
-            std::uint64_t* h = run(n);
-            std::memmove(h, h + off, std::size_t{len - off} * sizeof(std::uint64_t));
+            nodes[n].skip += off;  // n is on the heap: a run of len >= 2
             nodes[n].len = len - off;
             nodes[n].base += off;
             shrink_run(n);
@@ -506,20 +603,24 @@ struct PrefixIndex::Impl {
             return p;
         }
         const std::uint32_t total = pl + cl;
-        if (total > nodes[c].cap) {
+        Node& cn = nodes[c];
+        if (cn.cap > 1 && cn.skip >= pl) {
+            cn.skip -= pl;  // the dropped front has room for p's run
+        } else if (cn.cap > 1 && total <= cn.cap) {
+            std::memmove(cn.run.ptr + pl, cn.run.ptr + cn.skip, std::size_t{cl} * sizeof(std::uint64_t));
+            cn.skip = 0;
+        } else {
             auto* np = static_cast<std::uint64_t*>(std::malloc(std::size_t{total} * sizeof(std::uint64_t)));
             if (!np) throw std::bad_alloc();
             std::memcpy(np + pl, run(c), std::size_t{cl} * sizeof(std::uint64_t));
-            if (nodes[c].cap > 1) {
-                std::free(nodes[c].run.ptr);
-                run_bytes -= std::uint64_t{nodes[c].cap} * sizeof(std::uint64_t);
+            if (cn.cap > 1) {
+                std::free(cn.run.ptr);
+                run_bytes -= std::uint64_t{cn.cap} * sizeof(std::uint64_t);
             }
-            nodes[c].run.ptr = np;
-            nodes[c].cap = total;
+            cn.run.ptr = np;
+            cn.cap = total;
+            cn.skip = 0;
             run_bytes += std::uint64_t{total} * sizeof(std::uint64_t);
-        } else {
-            std::uint64_t* h = run(c);
-            std::memmove(h + pl, h, std::size_t{cl} * sizeof(std::uint64_t));
         }
         std::memcpy(run(c), run(p), std::size_t{pl} * sizeof(std::uint64_t));
         nodes[c].len = total;
@@ -679,10 +780,10 @@ struct PrefixIndex::Impl {
                 const std::uint64_t* h = run(cur);
                 const std::uint32_t len = nodes[cur].len;
                 const std::uint32_t start = nx;
-                while (nx < len && i < n && h[nx] == hs[i]) {
-                    ++nx;
-                    ++i;
-                }
+                if (i + (len - nx) < n) table.prefetch(hs[i + (len - nx)]);
+                const std::size_t k = common_prefix(h + nx, hs + i, std::min<std::size_t>(len - nx, n - i));
+                nx += static_cast<std::uint32_t>(k);
+                i += k;
                 if (nx > start) segs.push_back(Seg{cur, start, nx, h[start]});
                 if (nx < len) break;
             } else {
@@ -693,6 +794,7 @@ struct PrefixIndex::Impl {
             }
         }
         const std::size_t k = i;
+        for (std::size_t j = k; j < n; ++j) table.prefetch(hs[j]);
         std::size_t bad = n;
         for (std::size_t j = k; j < n; ++j)
             if (table.find(hs[j])) {
@@ -739,9 +841,7 @@ struct PrefixIndex::Impl {
             const auto m_len = static_cast<std::uint32_t>(n - k);
             if (a != kRoot && nodes[a].nchildren == 0 && nodes[a].nowners == 1 && bits::test(own(a), r)) {
                 const std::uint32_t len = nodes[a].len;
-                std::uint32_t want = len + m_len;
-                if (want > nodes[a].cap) want = std::max(want, nodes[a].cap + nodes[a].cap / 2);
-                reserve_run(a, want);
+                reserve_run(a, len + m_len);
                 std::memcpy(run(a) + len, hs + k, std::size_t{m_len} * sizeof(std::uint64_t));
                 nodes[a].len = len + m_len;
                 const std::uint32_t base = nodes[a].base;
@@ -925,8 +1025,8 @@ void PrefixIndex::match(const std::uint64_t* hashes, std::size_t n, std::vector<
         const std::uint32_t c = s->a;
         const std::uint32_t len = d.nodes[c].len;
         const std::uint64_t* h = d.run(c);
-        std::size_t k = 1;
-        while (k < len && i + k < n && h[k] == hashes[i + k]) ++k;
+        if (i + len < n) d.table.prefetch(hashes[i + len]);  // the next child lookup, if the run matches
+        const std::size_t k = 1 + common_prefix(h + 1, hashes + i + 1, std::min<std::size_t>(len, n - i) - 1);
         const std::uint64_t* o = d.own(c);
         std::uint64_t any = 0;
         const auto depth = static_cast<std::int32_t>(i);
