@@ -38,11 +38,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     specs = [sim.router_spec(r) for r in args.routers.split(",") if r.strip()]
     if not specs:
         raise ValueError("--routers names no router")
-    fleet = sim.FleetParams(
-        replicas=args.replicas, seed=args.seed, knowledge=args.knowledge, event_delay=args.event_delay,
-        **({} if args.cache_tokens is None else {"cache_tokens": args.cache_tokens}),
-        **({} if args.prefill_rate is None else {"prefill_rate": args.prefill_rate}),
-    )
+    fleet = sim.fleet_for(name, replicas=args.replicas, seed=args.seed, knowledge=args.knowledge,
+                          event_delay=args.event_delay, cache_tokens=args.cache_tokens,
+                          prefill_rate=args.prefill_rate)
     workload = sim.build_workload(name, path=path, replicas=args.replicas, seed=args.seed,
                                   time_scale=args.time_scale, rate=args.rate)
     results = []
@@ -99,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--knowledge", default="precise", choices=("precise", "approximate", "hybrid"),
                        help="what the router knows of the caches (default: precise)")
     p_sim.add_argument("--event-delay", type=float, default=0.0, help="seconds before the router sees a cache change")
-    p_sim.add_argument("--cache-tokens", type=int, default=None, help="KV cache per replica in tokens")
+    p_sim.add_argument("--cache-tokens", type=int, default=None,
+                       help="KV cache per replica in tokens (default: per workload, kvroute.sim.CACHE_TOKENS)")
     p_sim.add_argument("--prefill-rate", type=float, default=None, help="prefill tokens per second per replica")
     p_sim.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times by this")
     p_sim.add_argument("--rate", type=float, default=None, help="shared-prefix: requests per second (default: all at t=0)")

@@ -31,6 +31,22 @@ from .workloads import (
 
 WORKLOADS = ("chat", "shared-prefix", "trace")
 
+#: KV cache per replica (tokens) each workload is simulated with by default. chat: the
+#: explainer's 22 GB, the full history of 10 sessions. shared-prefix: the same fleet.
+#: trace: the Mooncake trace's prompts average 12,000 tokens and its reuse spans minutes,
+#: so a 22 GB cache would hold 13 prompts and hide every router difference; 1,048,576
+#: tokens (2,048 blocks of 512) hold about 85, and an infinite cache would reach 37.3%.
+CACHE_TOKENS = {"chat": 163_840, "shared-prefix": 163_840, "trace": 1_048_576}
+
+
+def fleet_for(workload: str, **overrides: Any) -> FleetParams:
+    """FleetParams with the workload's default cache size (CACHE_TOKENS) and overrides."""
+    if workload not in CACHE_TOKENS:
+        raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
+    kwargs: dict[str, Any] = {"cache_tokens": CACHE_TOKENS[workload]}
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    return FleetParams(**kwargs)
+
 
 def build_workload(name: str, *, path: str | None = None, replicas: int = 8, seed: int = 0,
                    time_scale: float = 1.0, rate: float | None = None) -> Workload:
@@ -69,9 +85,9 @@ def compare(
 
 
 __all__ = [
-    "ALL_ROUTERS", "DEFAULT_ROUTERS", "KNOWLEDGE", "WORKLOADS",
+    "ALL_ROUTERS", "CACHE_TOKENS", "DEFAULT_ROUTERS", "KNOWLEDGE", "WORKLOADS",
     "ChatParams", "Client", "FleetParams", "Metrics", "Record", "RouterSpec", "SharedPrefixParams",
     "SimResult", "TraceParams", "Turn", "Workload",
-    "build_workload", "chat", "compare", "make_router", "router_spec", "shared_prefix", "simulate",
+    "build_workload", "chat", "compare", "fleet_for", "make_router", "router_spec", "shared_prefix", "simulate",
     "trace",
 ]
