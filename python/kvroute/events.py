@@ -216,6 +216,7 @@ class Subscriber:
             try:
                 for t in self._tracks.values():
                     s = ctx.socket(zmq.SUB)
+                    socks[s] = t  # registered first so that `finally` closes it if bind fails
                     s.setsockopt(zmq.LINGER, 0)
                     s.setsockopt(zmq.SUBSCRIBE, t.source.topic.encode("utf-8"))
                     if t.source.bind:
@@ -224,7 +225,6 @@ class Subscriber:
                     else:
                         s.connect(t.source.endpoint)
                         where = t.source.endpoint
-                    socks[s] = t
                     with self._cond:
                         self._endpoints[t.source.replica] = where
             except Exception as exc:  # noqa: BLE001 - reported by start()

@@ -1,0 +1,302 @@
+"""The ZMQ subscriber against real publishers on loopback (ephemeral ports) that speak each
+engine's protocol byte for byte (kv-events.md A1, A3): 3-frame PUB messages, sequence
+numbers, and a ROUTER replay endpoint with vLLM's current reply layout ([topic, seq,
+payload]), its older one, or SGLang's ([seq, payload]). After each scenario the index must
+hold what the simulated engine caches. Every wait is bounded."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+
+from conftest import load_impl  # noqa: E402
+from kv_wire import Engine, batch, stored  # noqa: E402
+
+from kvroute.events import END_SEQ, Source, Subscriber  # noqa: E402
+
+WAIT = 20.0  # seconds; generous for a loaded 2-core machine, never reached when things work
+BASE = list(range(5000, 5000 + 128))
+
+
+class Publisher:
+    """A KV event publisher: PUB (bound, or connected to a subscriber that binds) plus an
+    optional ROUTER replay endpoint answering from a ring of the last `buffer_steps` batches."""
+
+    def __init__(self, ctx, *, topic="", replay="new", buffer_steps=1000, connect=None):
+        self.topic = topic.encode()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if connect:
+            self.pub.connect(connect)
+            self.endpoint = connect
+        else:
+            self.pub.bind("tcp://127.0.0.1:*")
+            self.endpoint = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.seq = 0
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.lock = threading.Lock()
+        self.layout = replay
+        self.replay_endpoint = None
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self._thread = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind("tcp://127.0.0.1:*")
+            self.replay_endpoint = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+    def publish(self, payload: bytes, *, send=True, frames=None) -> int:
+        with self.lock:
+            seq = self.seq
+            self.seq += 1
+            self.ring.append((seq, payload))
+        if send:
+            self.pub.send_multipart(frames or [self.topic, seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def restart(self):
+        with self.lock:
+            self.seq = 0
+            self.ring.clear()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            ident, empty, start = self.router.recv_multipart()
+            assert empty == b"" and len(start) == 8
+            first = int.from_bytes(start, "big")
+            self.requests.append(first)
+            with self.lock:
+                items = [(s, p) for s, p in self.ring if s >= first]
+            for s, p in items:
+                if self.layout == "new":
+                    self.router.send_multipart([ident, b"", self.topic, s.to_bytes(8, "big"), p])
+                else:
+                    self.router.send_multipart([ident, b"", s.to_bytes(8, "big"), p])
+            if self.layout == "new":
+                self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+            else:
+                self.router.send_multipart([ident, b"", END_SEQ, b""])
+
+    def close(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(5)
+            self.router.close(0)
+        self.pub.close(0)
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def pubs(ctx):
+    made = []
+
+    def make(**kw):
+        p = Publisher(ctx, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def new_applier(name="native", replicas=2):
+    M = load_impl(name)
+    idx = M.PrefixIndex(replicas)
+    return idx, M.EventApplier(idx, 16)
+
+
+def warm_up(pub, sub, replica):
+    """Publish empty batches until the subscriber sees one (ZMQ's slow joiner drops the first);
+    returns the subscriber's counters at that point, for deltas."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        seq = pub.publish(batch([]))
+        if sub.wait_for_seq(replica, seq, timeout=0.05):
+            return sub.status()["replicas"][replica]
+    raise AssertionError("subscriber never received a batch")
+
+
+def send(pub, sub, replica, events, **kw):
+    seq = pub.publish(batch(events), **kw)
+    if kw.get("send", True):
+        assert sub.wait_for_seq(replica, seq, timeout=WAIT)
+    return seq
+
+
+def delta(sub, replica, base):
+    now = sub.status()["replicas"][replica]
+    return {k: now[k] - base[k] for k in ("gaps", "replays", "resyncs", "restarts", "malformed",
+                                          "bad_frames", "duplicates")}
+
+
+ZERO = dict(gaps=0, replays=0, resyncs=0, restarts=0, malformed=0, bad_frames=0, duplicates=0)
+
+SPEAKERS = [("vllm-array", "old"), ("vllm-map", "new"), ("sglang", "old")]
+
+
+@pytest.mark.parametrize("impl_name", ["native", "reference"])
+@pytest.mark.parametrize("fmt, layout", SPEAKERS)
+def test_stream_stores_removes_clears_and_duplicates(pubs, fmt, layout, impl_name):
+    pub = pubs(replay=layout)
+    idx, applier = new_applier(impl_name)
+    eng = Engine(fmt, capacity=6, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(1, pub.endpoint, pub.replay_endpoint)]) as sub:
+        base = warm_up(pub, sub, 1)
+        send(pub, sub, 1, eng.serve(BASE[:64]))
+        send(pub, sub, 1, eng.step([BASE[:96] + [1] * 16, BASE[:96] + [2] * 16]))  # duplicate stores
+        assert idx.held(1).tolist() == eng.truth()
+        send(pub, sub, 1, eng.serve(BASE[32:128]))  # evicts
+        assert idx.held(1).tolist() == eng.truth() and idx.blocks(0) == 0
+        send(pub, sub, 1, eng.clear() + eng.serve(BASE[:32]))
+        assert idx.held(1).tolist() == eng.truth() != []
+        assert delta(sub, 1, base) == ZERO
+        st = sub.status()
+        assert st["replicas"][1]["lag"] is not None and st["applier"]["clears"] == 1
+
+
+def test_unknown_parent_batch_is_counted_and_skipped(pubs):
+    pub = pubs(replay="new")
+    idx, applier = new_applier()
+    eng = Engine("vllm-map", capacity=8, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(0, pub.endpoint, pub.replay_endpoint)]) as sub:
+        base = warm_up(pub, sub, 0)
+        send(pub, sub, 0, eng.serve(BASE[:32]))
+        send(pub, sub, 0, [stored("vllm-map", [42], 777, BASE[:16], 16)])  # a parent never announced
+        assert delta(sub, 0, base)["malformed"] == 1
+        assert "parent_block_hash 777 is unknown" in sub.status()["applier"]["last_error"]
+        assert idx.held(0).tolist() == eng.truth()
+
+
+@pytest.mark.parametrize("fmt, layout", SPEAKERS)
+def test_gap_recovered_by_replay(pubs, fmt, layout):
+    pub = pubs(replay=layout)
+    idx, applier = new_applier()
+    eng = Engine(fmt, capacity=10, engine_block_size=32, block_size=16)
+    with Subscriber(applier, [Source(0, pub.endpoint, pub.replay_endpoint)]) as sub:
+        base = warm_up(pub, sub, 0)
+        send(pub, sub, 0, eng.serve(BASE[:64]))
+        send(pub, sub, 0, eng.serve(BASE[:96]), send=False)  # lost on the wire
+        send(pub, sub, 0, eng.serve(BASE[:128]), send=False)
+        send(pub, sub, 0, eng.serve(BASE[64:128]))
+        assert idx.held(0).tolist() == eng.truth()
+        d = delta(sub, 0, base)
+        assert d["gaps"] == 1 and d["replays"] == 1 and d["resyncs"] == 0
+        assert sub.status()["replicas"][0]["replayed_batches"] >= 2
+
+
+@pytest.mark.parametrize("replay", ["new", None])
+def test_unrecoverable_gap_resyncs(pubs, replay):
+    pub = pubs(replay=replay, buffer_steps=2)
+    idx, applier = new_applier()
+    eng = Engine("sglang", capacity=10, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(0, pub.endpoint, pub.replay_endpoint)], replay_timeout=2.0) as sub:
+        base = warm_up(pub, sub, 0)
+        send(pub, sub, 0, eng.serve(BASE[:64]))
+        for n in (80, 96, 112):
+            send(pub, sub, 0, eng.serve(BASE[:n]), send=False)  # the ring keeps only 2
+        send(pub, sub, 0, eng.serve(BASE[200 - 128 : 200 - 96] + [3] * 16))
+        d = delta(sub, 0, base)
+        assert d["gaps"] == 1 and d["resyncs"] == 1 and d["replays"] == 0
+        # Resynced: the replica was cleared, so it claims nothing the engine lacks.
+        assert set(idx.held(0).tolist()) <= set(eng.truth())
+        # The operator's remedy for a lost history, reset_prefix_cache, realigns it exactly.
+        send(pub, sub, 0, eng.clear() + eng.serve(BASE[:48]))
+        assert idx.held(0).tolist() == eng.truth()
+
+
+def test_publisher_restart_resets_the_replica(pubs):
+    pub = pubs(replay="old")
+    idx, applier = new_applier()
+    eng = Engine("vllm-array", capacity=10, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(1, pub.endpoint, pub.replay_endpoint)]) as sub:
+        base = warm_up(pub, sub, 1)
+        send(pub, sub, 1, eng.serve(BASE[:64]))
+        assert idx.blocks(1) == 4
+        # The engine process restarts: empty cache, sequence numbers from 0 again.
+        pub.restart()
+        eng = Engine("vllm-array", capacity=10, engine_block_size=16, block_size=16)
+        seq = pub.publish(batch(eng.serve(BASE[64:96])))
+        assert seq == 0
+        deadline = time.monotonic() + WAIT
+        while sub.status()["replicas"][1]["restarts"] == base["restarts"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert delta(sub, 1, base)["restarts"] == 1
+        send(pub, sub, 1, eng.serve(BASE[64:128]))
+        assert idx.held(1).tolist() == eng.truth()
+
+
+def test_malformed_payloads_and_frames(pubs):
+    pub = pubs(replay="new")
+    idx, applier = new_applier()
+    eng = Engine("vllm-map", capacity=10, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(0, pub.endpoint, pub.replay_endpoint)]) as sub:
+        base = warm_up(pub, sub, 0)
+        send(pub, sub, 0, eng.serve(BASE[:64]))
+        good = batch(eng.serve(BASE[:96]))
+        pub.publish(good[: len(good) // 2])  # truncated
+        pub.publish(b"\xc1garbage")
+        pub.pub.send_multipart([b"", b"short"])  # not a 3-frame message
+        seq = pub.publish(good)
+        assert sub.wait_for_seq(0, seq, timeout=WAIT)
+        d = delta(sub, 0, base)
+        assert d["malformed"] == 2 and d["bad_frames"] == 1 and d["gaps"] == 0
+        assert idx.held(0).tolist() == eng.truth()
+
+
+def test_topic_filter_and_bind_mode(ctx, pubs):
+    idx, applier = new_applier()
+    # Replica 0: the engine binds, topic kv@pod0@m. Replica 1: the subscriber binds and the
+    # engine connects to it.
+    pub0 = pubs(topic="kv@pod0@m", replay="new")
+    src1 = Source(1, "tcp://127.0.0.1:*", topic="kv@", bind=True)
+    eng0 = Engine("vllm-map", capacity=8, engine_block_size=16, block_size=16)
+    eng1 = Engine("vllm-array", capacity=8, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(0, pub0.endpoint, pub0.replay_endpoint, topic="kv@pod0"), src1]) as sub:
+        pub1 = pubs(topic="kv@pod1@m", replay=None, connect=sub.endpoints[1])
+        other = pubs(topic="metrics", replay=None, connect=sub.endpoints[1])
+        warm_up(pub0, sub, 0)
+        warm_up(pub1, sub, 1)
+        other.publish(batch(Engine("sglang", 8, 16, 16).serve(BASE[:64])))  # filtered out
+        send(pub0, sub, 0, eng0.serve(BASE[:48]))
+        send(pub1, sub, 1, eng1.serve(BASE[48:112]))
+        assert idx.held(0).tolist() == eng0.truth() and idx.held(1).tolist() == eng1.truth()
+        assert sub.status()["replicas"][1]["bad_frames"] == 0
+
+
+def test_lifecycle_and_errors(pubs):
+    pub = pubs(replay=None)
+    _, applier = new_applier()
+    sub = Subscriber(applier, [Source(0, pub.endpoint)])
+    assert not sub.running
+    sub.start()
+    assert sub.running
+    with pytest.raises(RuntimeError, match="already started"):
+        sub.start()
+    sub.stop()
+    sub.stop()
+    assert not sub.running
+    with pytest.raises(ValueError, match="replica 0 has more than one source"):
+        Subscriber(applier, [Source(0, "tcp://127.0.0.1:1"), Source(0, "tcp://127.0.0.1:2")])
+    with pytest.raises(TypeError, match="sources must be Source objects"):
+        Subscriber(applier, ["tcp://127.0.0.1:1"])
+    bad = Subscriber(applier, [Source(0, "nonsense://x", bind=True)])
+    with pytest.raises(RuntimeError, match="could not start"):
+        bad.start()
+    assert not bad.running
