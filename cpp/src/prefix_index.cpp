@@ -1032,7 +1032,8 @@ void PrefixIndex::match(const std::uint64_t* hashes, std::size_t n, std::vector<
         const auto depth = static_cast<std::int32_t>(i);
         for (std::size_t q = 0; q < w; ++q) {
             const std::uint64_t gone = active[q] & ~o[q];
-            if (gone) bits::for_each(&gone, 1, [&](std::size_t b) { out[q * 64 + b] = depth; });
+            // out is zeroed: at depth 0 the (many) replicas that hold nothing need no write.
+            if (gone && depth > 0) bits::for_each(&gone, 1, [&](std::size_t b) { out[q * 64 + b] = depth; });
             active[q] &= o[q];
             any |= active[q];
         }
