@@ -140,7 +140,7 @@ class Record:
 
 @dataclass(frozen=True)
 class SimResult:
-    """A run: the metrics, per-request records, router stats and wall time."""
+    """A run: the metrics, per-request records, router stats, wall and CPU seconds."""
 
     router: str
     workload: str
@@ -148,10 +148,11 @@ class SimResult:
     records: Record
     router_stats: dict[str, Any]
     wall_s: float
+    cpu_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """The metrics and identifiers as JSON-ready values (records left out)."""
-        return {"router": self.router, "workload": self.workload, "wall_s": self.wall_s,
+        return {"router": self.router, "workload": self.workload, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
                 **self.metrics.as_dict()}
 
 
@@ -213,6 +214,7 @@ def simulate(
         router = make_router(router, fleet, workload.block_tokens, impl)
     use_sessions = True if sessions is None else bool(sessions)
     started = time.perf_counter()
+    cpu_started = time.process_time()
     n = fleet.replicas
     bt = workload.block_tokens
     cache = (impl or backend).PrefixIndex(n, capacity=fleet.cache_blocks(bt), record_evictions=True)
@@ -355,7 +357,8 @@ def simulate(
         makespan_s=now,
     )
     stats = dict(router.stats()) if router is not None else {}
-    return SimResult(name, workload.name, m, rec, stats, time.perf_counter() - started)
+    return SimResult(name, workload.name, m, rec, stats, time.perf_counter() - started,
+                     time.process_time() - cpu_started)
 
 
 __all__ = ["FleetParams", "KNOWLEDGE", "Record", "SimResult", "make_router", "simulate"]
