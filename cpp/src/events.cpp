@@ -226,6 +226,7 @@ struct EventApplier::Impl {
     std::vector<std::uint64_t> chain, gone, kvbuf;
 
     std::uint32_t medium_id(std::string_view s) {
+        if (s == "GPU") return 0;
         auto it = media.find(std::string(s));
         if (it != media.end()) return it->second;
         const auto id = static_cast<std::uint32_t>(media.size());
@@ -258,13 +259,20 @@ struct EventApplier::Impl {
         return "event " + std::to_string(i) + (stored ? " (BlockStored)" : " (BlockRemoved)");
     }
 
-    void hashes_field(std::size_t i, bool stored, const std::uint8_t* at) {
-        mp::Item h;
-        const std::uint8_t* p = at;
-        if (p) h = mp::next(p);
+    // Consumes the block_hashes value at p (null: missing).
+    void hashes_field(std::size_t i, bool stored, const std::uint8_t*& p) {
+        const mp::Item h = item_or_nil(p);
         if (h.type != mp::Type::Array)
             throw Malformed{where(i, stored) + " block_hashes must be an array, got " + mp::type_name(h.type)};
         for (std::uint32_t j = 0; j < h.len; ++j) {
+            const std::uint8_t c = *p;
+            if (c == 0xCF) {  // vLLM's int-mode hashes are mostly >= 2**63
+                std::uint64_t v = 0;
+                for (int b = 1; b <= 8; ++b) v = (v << 8) | p[b];
+                batch.hashes.push_back(v);
+                p += 9;
+                continue;
+            }
             const mp::Item x = mp::next(p);
             if (x.type == mp::Type::Int) {
                 batch.hashes.push_back(x.u);
@@ -280,159 +288,213 @@ struct EventApplier::Impl {
         }
     }
 
-    std::uint32_t medium_field(std::size_t i, bool stored, const std::uint8_t* at) {
+    std::uint32_t medium_field(std::size_t i, bool stored, const std::uint8_t*& at) {
         if (!at) return 0;
-        const mp::Item m = value_at(at);
+        const mp::Item m = mp::next(at);
         if (m.type == mp::Type::Nil) return 0;
         if (m.type != mp::Type::Str)
             throw Malformed{where(i, stored) + " medium must be nil or a str, got " + mp::type_name(m.type)};
         return medium_id(m.str());
     }
 
-    // Field positions of one event (null when missing), by the reference's names.
-    struct Fields {
-        const std::uint8_t* f[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-    };
-    static int field_slot(std::string_view key, bool stored) noexcept {
-        if (key == "block_hashes") return 0;
-        if (stored) {
-            if (key == "parent_block_hash") return 1;
-            if (key == "token_ids") return 2;
-            if (key == "block_size") return 3;
-            if (key == "medium") return 5;
-        } else if (key == "medium") {
-            return 1;
-        }
-        return -1;
+    // Reads a Str/Int/... header or, at a missing field (null), nil.
+    static mp::Item item_or_nil(const std::uint8_t*& q) noexcept {
+        if (!q) return mp::Item{};
+        return mp::next(q);
     }
 
-    void event(std::size_t i, const std::uint8_t*& p) {
-        const mp::Item ev = mp::next(p);
-        const std::uint8_t* body = p;  // first element (array) or first key (map)
-        // Skip the event's contents now; fields are read from saved positions.
-        for (std::uint64_t k = 0; k < (ev.type == mp::Type::Map ? 2ull * ev.len : ev.len); ++k)
-            if (ev.type == mp::Type::Array || ev.type == mp::Type::Map) mp::skip(p);
-        mp::Item tag;
-        if (ev.type == mp::Type::Array) {
-            if (ev.len == 0) throw Malformed{"event " + std::to_string(i) + " is an empty array"};
-            tag = value_at(body);
-        } else if (ev.type == mp::Type::Map) {
-            const std::uint8_t* q = body;
-            for (std::uint32_t k = 0; k < ev.len; ++k) {
-                const mp::Item key = mp::next(q);
-                if (key.type == mp::Type::Array || key.type == mp::Type::Map) {
-                    // next() only read the header; skip the key's elements.
-                    for (std::uint64_t e = 0; e < (key.type == mp::Type::Map ? 2ull : 1ull) * key.len; ++e)
-                        mp::skip(q);
+    // Evaluates BlockStored field `slot` (0 hashes, 1 parent, 2 tokens, 3 block_size with the
+    // length check, 4 lora_id, 5 medium) at q (null: missing), in the reference's order.
+    // On success q is past the value.
+    void stored_slot(std::size_t i, int slot, const std::uint8_t*& q, Event& out) {
+        switch (slot) {
+            case 0:
+                out.h_begin = batch.hashes.size();
+                hashes_field(i, true, q);
+                out.h_count = batch.hashes.size() - out.h_begin;
+                return;
+            case 1: {
+                const mp::Item par = item_or_nil(q);
+                if (par.type == mp::Type::Int) {
+                    out.has_parent = true;
+                    out.parent = par.u;
+                } else if (par.type == mp::Type::Bin) {
+                    out.has_parent = true;
+                    const std::uint32_t from = par.len > 8 ? par.len - 8 : 0;
+                    for (std::uint32_t b = from; b < par.len; ++b) out.parent = (out.parent << 8) | par.data[b];
+                } else if (par.type != mp::Type::Nil) {
+                    throw Malformed{where(i, true) + " parent_block_hash must be nil, an int or bin, got " +
+                                    mp::type_name(par.type)};
                 }
-                if (is_str(key, "type")) tag = value_at(q);
-                mp::skip(q);
+                return;
             }
-        } else {
-            throw Malformed{"event " + std::to_string(i) + " must be an array or map, got " + mp::type_name(ev.type)};
+            case 2: {
+                const mp::Item toks = item_or_nil(q);
+                if (toks.type != mp::Type::Array)
+                    throw Malformed{where(i, true) + " token_ids must be an array, got " + mp::type_name(toks.type)};
+                out.t_begin = batch.tokens.size();
+                out.t_count = toks.len;
+                batch.tokens.resize(out.t_begin + toks.len);
+                std::uint32_t* dst = batch.tokens.data() + out.t_begin;
+                for (std::uint32_t j = 0; j < toks.len; ++j) {
+                    // Token ids are non-negative ints below 2**32: the common encodings first.
+                    const std::uint8_t c = *q;
+                    if (c <= 0x7F) {
+                        dst[j] = c;
+                        q += 1;
+                    } else if (c == 0xCD) {
+                        dst[j] = static_cast<std::uint32_t>((q[1] << 8) | q[2]);
+                        q += 3;
+                    } else if (c == 0xCE) {
+                        dst[j] = (std::uint32_t{q[1]} << 24) | (std::uint32_t{q[2]} << 16) |
+                                 (std::uint32_t{q[3]} << 8) | q[4];
+                        q += 5;
+                    } else if (c == 0xCC) {
+                        dst[j] = q[1];
+                        q += 2;
+                    } else {
+                        const mp::Item t = mp::next(q);
+                        if (t.type != mp::Type::Int)
+                            throw Malformed{where(i, true) + " token_ids[" + std::to_string(j) +
+                                            "] must be an int, got " + mp::type_name(t.type)};
+                        if (t.negative || t.u >= (std::uint64_t{1} << 32))
+                            throw Malformed{where(i, true) + " token_ids[" + std::to_string(j) + "] = " +
+                                            int_text(t) + " is out of range [0, 2**32)"};
+                        dst[j] = static_cast<std::uint32_t>(t.u);
+                    }
+                }
+                return;
+            }
+            case 3: {
+                const std::uint64_t n = out.h_count, m = out.t_count;
+                const mp::Item bs = item_or_nil(q);
+                if (bs.type != mp::Type::Nil) {
+                    if (bs.type != mp::Type::Int)
+                        throw Malformed{where(i, true) + " block_size must be nil or an int, got " +
+                                        mp::type_name(bs.type)};
+                    if (bs.negative || bs.u == 0)
+                        throw Malformed{where(i, true) + " block_size must be positive, got " + int_text(bs)};
+                    // n * size without overflow: sizes beyond the token count cannot match anyway.
+                    if (n == 0 ? m != 0 : (bs.u > m || n * bs.u != m))
+                        throw Malformed{where(i, true) + " has " + std::to_string(m) + " token_ids for " +
+                                        std::to_string(n) + " blocks of " + std::to_string(bs.u) + " tokens"};
+                    out.engine_block_size = bs.u;
+                } else {
+                    if (n == 0 || m == 0 || m % n != 0)
+                        throw Malformed{where(i, true) + " has " + std::to_string(m) + " token_ids for " +
+                                        std::to_string(n) + " blocks"};
+                    out.engine_block_size = m / n;
+                }
+                return;
+            }
+            case 4:
+                if (q) mp::skip(q);
+                return;
+            default:
+                out.medium = medium_field(i, true, q);
+                return;
         }
+    }
+
+    // BlockRemoved fields: 0 hashes, 1 medium.
+    void removed_slot(std::size_t i, int slot, const std::uint8_t*& q, Event& out) {
+        if (slot == 0) {
+            out.h_begin = batch.hashes.size();
+            hashes_field(i, false, q);
+            out.h_count = batch.hashes.size() - out.h_begin;
+        } else {
+            out.medium = medium_field(i, false, q);
+        }
+    }
+
+    // Positional event [tag, fields...]: one pass, evaluating fields in position order, which is
+    // the reference's order; missing trailing fields are nil.
+    void event_array(std::size_t i, std::uint32_t len, const std::uint8_t*& p) {
+        if (len == 0) throw Malformed{"event " + std::to_string(i) + " is an empty array"};
+        const mp::Item tag = mp::next(p);
+        if (tag.type != mp::Type::Str) {
+            throw Malformed{"event " + std::to_string(i) + " type must be a str, got " +
+                            mp::type_name(tag.type)};
+        }
+        const std::string_view name = tag.str();
+        const bool stored = name == "BlockStored";
+        if (!stored && name != "BlockRemoved") {
+            for (std::uint32_t k = 1; k < len; ++k) mp::skip(p);
+            if (name == "AllBlocksCleared") batch.events.push_back(Event{});
+            else ++batch.ignored;
+            return;
+        }
+        Event out;
+        out.kind = stored ? Kind::Stored : Kind::Removed;
+        const int want = stored ? 6 : 2;
+        int slot = 0;
+        for (std::uint32_t k = 1; k < len; ++k) {
+            if (slot < want) {
+                if (stored) stored_slot(i, slot, p, out);
+                else removed_slot(i, slot, p, out);
+                ++slot;
+            } else {
+                mp::skip(p);
+            }
+        }
+        for (const std::uint8_t* none = nullptr; slot < want; ++slot) {
+            if (stored) stored_slot(i, slot, none, out);
+            else removed_slot(i, slot, none, out);
+        }
+        batch.events.push_back(out);
+    }
+
+    // Map event {"type": ..., field: ...}: keys in any order, so positions first, then the
+    // fields in the reference's order.
+    void event_map(std::size_t i, std::uint32_t len, const std::uint8_t*& p) {
+        const std::uint8_t* type_at = nullptr;
+        const std::uint8_t* at[7] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+        for (std::uint32_t k = 0; k < len; ++k) {
+            const std::uint8_t* key_at = p;
+            mp::skip(p);
+            const mp::Item key = value_at(key_at);
+            if (key.type == mp::Type::Str) {
+                const std::string_view s = key.str();
+                if (s == "type") type_at = p;
+                else if (s == "block_hashes") at[0] = p;
+                else if (s == "parent_block_hash") at[1] = p;
+                else if (s == "token_ids") at[2] = p;
+                else if (s == "block_size") at[3] = p;
+                else if (s == "medium") at[5] = p;
+            }
+            mp::skip(p);
+        }
+        const mp::Item tag = type_at ? value_at(type_at) : mp::Item{};
         if (tag.type != mp::Type::Str)
             throw Malformed{"event " + std::to_string(i) + " type must be a str, got " + mp::type_name(tag.type)};
         const std::string_view name = tag.str();
         const bool stored = name == "BlockStored";
         if (!stored && name != "BlockRemoved") {
-            if (name == "AllBlocksCleared") {
-                batch.events.push_back(Event{});
-            } else {
-                ++batch.ignored;
-            }
+            if (name == "AllBlocksCleared") batch.events.push_back(Event{});
+            else ++batch.ignored;
             return;
-        }
-        Fields fs;
-        if (ev.type == mp::Type::Array) {
-            const std::uint8_t* q = body;
-            mp::skip(q);  // the tag
-            const std::uint32_t want = stored ? 6u : 2u;
-            for (std::uint32_t k = 1; k < ev.len && k <= want; ++k) {
-                // Positional: BlockStored [tag, hashes, parent, tokens, block_size, lora_id, medium],
-                // BlockRemoved [tag, hashes, medium].
-                fs.f[k - 1] = q;
-                mp::skip(q);
-            }
-        } else {
-            const std::uint8_t* q = body;
-            for (std::uint32_t k = 0; k < ev.len; ++k) {
-                const mp::Item key = mp::next(q);
-                if (key.type == mp::Type::Array || key.type == mp::Type::Map) {
-                    for (std::uint64_t e = 0; e < (key.type == mp::Type::Map ? 2ull : 1ull) * key.len; ++e)
-                        mp::skip(q);
-                }
-                const int s = key.type == mp::Type::Str ? field_slot(key.str(), stored) : -1;
-                if (s >= 0) fs.f[s] = q;
-                mp::skip(q);
-            }
         }
         Event out;
         out.kind = stored ? Kind::Stored : Kind::Removed;
-        out.h_begin = batch.hashes.size();
-        if (!stored) {
-            hashes_field(i, false, fs.f[0]);
-            out.h_count = batch.hashes.size() - out.h_begin;
-            out.medium = medium_field(i, false, fs.f[1]);
-            batch.events.push_back(out);
-            return;
-        }
-        hashes_field(i, true, fs.f[0]);
-        out.h_count = batch.hashes.size() - out.h_begin;
-        if (fs.f[1]) {
-            const std::uint8_t* q = fs.f[1];
-            const mp::Item par = mp::next(q);
-            if (par.type == mp::Type::Int) {
-                out.has_parent = true;
-                out.parent = par.u;
-            } else if (par.type == mp::Type::Bin) {
-                out.has_parent = true;
-                const std::uint32_t from = par.len > 8 ? par.len - 8 : 0;
-                for (std::uint32_t b = from; b < par.len; ++b) out.parent = (out.parent << 8) | par.data[b];
-            } else if (par.type != mp::Type::Nil) {
-                throw Malformed{where(i, true) + " parent_block_hash must be nil, an int or bin, got " +
-                                mp::type_name(par.type)};
+        if (stored) {
+            for (int slot = 0; slot < 6; ++slot) {
+                const std::uint8_t* q = slot == 4 ? nullptr : at[slot];
+                stored_slot(i, slot, q, out);
             }
-        }
-        mp::Item toks;
-        const std::uint8_t* q = fs.f[2];
-        if (q) toks = mp::next(q);
-        if (toks.type != mp::Type::Array)
-            throw Malformed{where(i, true) + " token_ids must be an array, got " + mp::type_name(toks.type)};
-        out.t_begin = batch.tokens.size();
-        for (std::uint32_t j = 0; j < toks.len; ++j) {
-            const mp::Item t = mp::next(q);
-            if (t.type != mp::Type::Int) {
-                throw Malformed{where(i, true) + " token_ids[" + std::to_string(j) + "] must be an int, got " +
-                                mp::type_name(t.type)};
-            }
-            if (t.negative || t.u >= (std::uint64_t{1} << 32))
-                throw Malformed{where(i, true) + " token_ids[" + std::to_string(j) + "] = " + int_text(t) +
-                                " is out of range [0, 2**32)"};
-            batch.tokens.push_back(static_cast<std::uint32_t>(t.u));
-        }
-        out.t_count = toks.len;
-        const std::uint64_t n = out.h_count, m = out.t_count;
-        mp::Item bs;
-        if (fs.f[3]) bs = value_at(fs.f[3]);
-        if (bs.type != mp::Type::Nil) {
-            if (bs.type != mp::Type::Int)
-                throw Malformed{where(i, true) + " block_size must be nil or an int, got " + mp::type_name(bs.type)};
-            if (bs.negative || bs.u == 0)
-                throw Malformed{where(i, true) + " block_size must be positive, got " + int_text(bs)};
-            // n * size without overflow: sizes beyond the token count cannot match anyway.
-            if ((n == 0 ? m != 0 : (bs.u > m || n * bs.u != m)))
-                throw Malformed{where(i, true) + " has " + std::to_string(m) + " token_ids for " +
-                                std::to_string(n) + " blocks of " + std::to_string(bs.u) + " tokens"};
-            out.engine_block_size = bs.u;
         } else {
-            if (n == 0 || m == 0 || m % n != 0)
-                throw Malformed{where(i, true) + " has " + std::to_string(m) + " token_ids for " +
-                                std::to_string(n) + " blocks"};
-            out.engine_block_size = m / n;
+            const std::uint8_t* q0 = at[0];
+            removed_slot(i, 0, q0, out);
+            const std::uint8_t* q1 = at[5];
+            removed_slot(i, 1, q1, out);
         }
-        out.medium = medium_field(i, true, fs.f[5]);
         batch.events.push_back(out);
+    }
+
+    void event(std::size_t i, const std::uint8_t*& p) {
+        const mp::Item ev = mp::next(p);
+        if (ev.type == mp::Type::Array) return event_array(i, ev.len, p);
+        if (ev.type == mp::Type::Map) return event_map(i, ev.len, p);
+        throw Malformed{"event " + std::to_string(i) + " must be an array or map, got " + mp::type_name(ev.type)};
     }
 
     // Fills `batch` or throws Malformed.

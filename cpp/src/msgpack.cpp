@@ -79,8 +79,23 @@ struct Validator {
         return !key;  // msgspec's Ext objects are not hashable
     }
     bool seq(std::uint64_t n, int depth, bool key) noexcept {
-        for (std::uint64_t i = 0; i < n; ++i)
+        for (std::uint64_t i = 0; i < n; ++i) {
+            // Ints inline: token id and hash arrays are most of a batch.
+            if (p < end) {
+                const std::uint8_t c = *p;
+                if (c <= 0x7F || c >= 0xE0) {
+                    ++p;
+                    continue;
+                }
+                const int size = c == 0xCD ? 3 : c == 0xCE ? 5 : c == 0xCF ? 9 : c == 0xCC ? 2 : 0;
+                if (size > 0) {
+                    if (!need(static_cast<std::size_t>(size))) return false;
+                    p += size;
+                    continue;
+                }
+            }
             if (!value(depth + 1, key)) return false;
+        }
         return true;
     }
     bool map(std::uint64_t n, int depth, bool key) noexcept {
@@ -242,6 +257,28 @@ void skip(const std::uint8_t*& p) noexcept {
     std::uint64_t pending = 1;
     while (pending > 0) {
         --pending;
+        // Scalars of fixed size (token ids, nil, bools) without decoding them.
+        const std::uint8_t c = *p;
+        if (c <= 0x7F || c >= 0xE0 || c == 0xC0 || c == 0xC2 || c == 0xC3) {
+            p += 1;
+            continue;
+        }
+        if (c == 0xCC || c == 0xD0) {
+            p += 2;
+            continue;
+        }
+        if (c == 0xCD || c == 0xD1) {
+            p += 3;
+            continue;
+        }
+        if (c == 0xCE || c == 0xD2 || c == 0xCA) {
+            p += 5;
+            continue;
+        }
+        if (c == 0xCF || c == 0xD3 || c == 0xCB) {
+            p += 9;
+            continue;
+        }
         const Item it = next(p);
         if (it.type == Type::Array) pending += it.len;
         else if (it.type == Type::Map) pending += 2ull * it.len;
