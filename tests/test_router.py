@@ -266,16 +266,19 @@ def test_ttft_prefers_cache_until_queue_outweighs_it(impl):
     r = make(impl, ["a", "b"], policy="ttft")
     p = prompt(1, 1024)
     first = r.route(p)
-    # The holder: 1024 queued + 0 uncached; the other: 0 + 1024. Equal: the longer match wins.
+    # Holder: 1024 queued + 0 uncached; other: 0 + 1024 uncached + 1024 extra fleet prefill.
     second = r.route(p)
     assert second.replica == first.replica and second.reason == "affinity"
-    # Half the prompt cached: 1024 + 512 on the holder against 0 + 1024 elsewhere.
+    # Half cached: holder 1024 + 512 + 0; other 0 + 1024 + 512. Equal: the longer match wins.
     third = r.route(prompt(2, 1024, p[:512]))
-    assert third.replica != first.replica and third.reason == "load"
-    r.prefill_done(first.handle)
-    # The holder's queue drained to 0: 0 + 512 beats 1024 + 1024.
+    assert (third.replica, third.reason) == (first.replica, "affinity")
+    # Holder 1536 + 512 + 0 against 0 + 1024 + 512: the queue outweighs the cache.
     fourth = r.route(prompt(3, 1024, p[:512]))
-    assert (fourth.replica, fourth.matched_blocks, fourth.reason) == (first.replica, 32, "affinity")
+    assert fourth.replica != first.replica and fourth.reason == "load"
+    r.prefill_done(first.handle)
+    # Holder's queue down to 512: 512 + 512 beats 1024 + 1024 + 512.
+    fifth = r.route(prompt(4, 1024, p[:512]))
+    assert (fifth.replica, fifth.matched_blocks, fifth.reason) == (first.replica, 32, "affinity")
 
 
 # -- policies -----------------------------------------------------------------------------

@@ -497,15 +497,18 @@ std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint
         default: {
             // Queued + uncached tokens over one shared prefill rate: comparing tokens is exact.
             // Ties: the longer match, then fewer in flight, then the rotation order.
+            // Plus the prefill this request adds to the fleet beyond the best-cached candidate.
             const std::int32_t* M = match_.data();
+            std::int32_t top = 0;
+            for (std::size_t i = 0; i < n; ++i) top = std::max(top, M[order[i]]);
+            const std::int64_t least_uncached = num_tokens - std::min(std::int64_t{top} * bs_, num_tokens);
             std::uint32_t chosen = order[0];
             std::int64_t best_tok = 0, best_m = -1, best_f = 0;
-            std::int32_t top = 0;
             for (std::size_t i = 0; i < n; ++i) {
                 const std::uint32_t r = order[i];
                 const std::int64_t m = M[r];
-                top = std::max(top, M[r]);
-                const std::int64_t tok = Q[r] + num_tokens - std::min(m * bs_, num_tokens);
+                const std::int64_t tok =
+                    Q[r] + 2 * (num_tokens - std::min(m * bs_, num_tokens)) - least_uncached;
                 if (best_m < 0 || tok < best_tok ||
                     (tok == best_tok && (m > best_m || (m == best_m && F[r] < best_f)))) {
                     chosen = r;

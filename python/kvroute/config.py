@@ -44,8 +44,10 @@ preble         cost = queued prefill tokens + uncached tokens + decode_weight (3
                longest-match replica): the cheapest replica among the longest-match
                holders; else explore: the cheapest replica overall.
 ttft           lowest estimated time to first token, (queued prefill tokens + this
-               request's uncached tokens) / prefill_rate; ties to the longer match,
-               then fewer in-flight requests. No parameters.
+               request's uncached tokens) / prefill_rate, plus the prefill it adds to
+               the fleet beyond the best-cached replica ((uncached - least uncached) /
+               prefill_rate: work later requests wait behind); ties to the longer
+               match, then fewer in-flight requests. No parameters.
 =============  =====================================================================
 
 Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the

@@ -690,9 +690,12 @@ class _Ctx:
             pool = [r for r in order if self.match[r] == top] if mt > self.n - mt else order
             chosen = self.argmin(pool, cost)
             return chosen, self.generic_reason(order, chosen)
-        # ttft: (queued prefill tokens + uncached tokens) / prefill_rate, compared in tokens.
+        # ttft, compared in tokens (one prefill_rate divides all): this request's wait and
+        # prefill, plus the prefill it adds to the fleet beyond the best-cached candidate.
+        best = min(self.n - self.mtok(r) for r in order)
         chosen = self.argmin(
-            order, lambda r: (queued[r] + self.n - self.mtok(r), -self.match[r], inflight[r])
+            order,
+            lambda r: (queued[r] + 2 * (self.n - self.mtok(r)) - best, -self.match[r], inflight[r]),
         )
         return chosen, self.generic_reason(order, chosen)
 
