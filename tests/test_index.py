@@ -426,3 +426,33 @@ def test_threads_native_consistent(native):
     assert not errors
     ix.check_invariants()
     assert all(ix.blocks(w) <= 500 for w in range(4))
+
+
+def test_replica_limit():
+    def scenario(m):
+        ix = m.PrefixIndex(65536)
+        ix.insert(65535, [A, B])
+        out = [ix.match([A, B])[-1]]
+        try:
+            ix.add_replica()
+        except RuntimeError as exc:
+            out.append(str(exc))
+        ix.remove_replica(7)
+        out.append(ix.add_replica())
+        return out
+
+    same(scenario)
+    assert scenario(kvroute.reference) == [
+        2,
+        "cannot add a replica: the index already has the maximum of 65536",
+        7,
+    ]
+
+
+def test_numpy_scalars_as_arguments(impl):
+    ix = impl.PrefixIndex(2)
+    ix.insert(np.int32(1), [A, B], now=np.float32(1.5))
+    assert ix.store_after(np.uint8(0), np.uint64(A), np.array([B], dtype=np.int64)) == 1
+    assert ix.match([A, B]).tolist() == [0, 2]  # replica 0 holds B but not A
+    assert ix.remove(np.int64(1), (A,)) == 1
+    assert ix.touch(0, [A, B], now=np.int64(3)) == 1
