@@ -416,3 +416,77 @@ def test_cache_aware_keeps_locality_and_balance(chat_results):
     assert 0.35 <= m.hit_rate <= 0.55
     assert m.busiest_over_mean <= 1.15
     assert m.ttft_p90 < min(chat_results["round-robin"].ttft_p90, chat_results["sticky"].ttft_p90)
+
+
+# ---------------------------------------------------------------------------------------
+# properties of any run, against a naive recomputation
+
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+@st.composite
+def _random_runs(draw):
+    """Small random workloads whose prompts share prefixes, placed on random replicas."""
+    replicas = draw(st.integers(1, 3))
+    roots = [_chain(12, 1000 * (k + 1)) for k in range(3)]
+    clients, placement = [], {}
+    for c in range(draw(st.integers(1, 6))):
+        turns = []
+        for t in range(draw(st.integers(1, 3))):
+            root = roots[draw(st.integers(0, 2))]
+            n = draw(st.integers(0, 12))
+            extra = draw(st.integers(0, 15))
+            out = draw(st.integers(1, 40))
+            after = root[: min(12, n + (extra + out) // 16)]
+            turns.append(Turn(root[:n], n * 16 + extra, out, after, draw(st.floats(0, 2)), None, t == 0))
+            placement[(c, t)] = draw(st.integers(0, replicas - 1))
+        clients.append(Client(draw(st.floats(0, 3)), tuple(turns)))
+    fleet = sim.FleetParams(replicas=replicas, cache_tokens=1 << 30, prefill_rate=draw(st.sampled_from([100.0, 1000.0])),
+                            prefill_overhead=draw(st.sampled_from([0.0, 0.05])), time_per_output_token=0.01)
+    return _workload(clients), fleet, placement
+
+
+@given(_random_runs())
+def test_any_run_obeys_the_event_model(run):
+    wl, fleet, placement = run
+    res = sim.simulate(wl, fleet=fleet, assign=lambda c, t, now: placement[(c, t)])
+    r = res.records
+    turns = [wl.clients[c].turns[t] for c, t in zip(r.client, r.turn)]
+    n = len(turns)
+    assert n == wl.num_requests
+    ends = r.start + r.prefill_s
+    # Prefill time is the uncached tokens at the rate, plus the overhead; TTFT ends there.
+    for i, turn in enumerate(turns):
+        assert r.prefill_s[i] == pytest.approx((turn.prompt_tokens - r.cached_tokens[i]) / fleet.prefill_rate
+                                               + fleet.prefill_overhead)
+        assert r.ttft[i] == pytest.approx(ends[i] - r.arrival[i])
+        assert r.start[i] >= r.arrival[i] - 1e-12
+    # One FIFO queue per replica, work-conserving: prefills start in arrival order, never
+    # overlap, and a request waits only while an earlier one is prefilling.
+    for rep in range(fleet.replicas):
+        idx = [i for i in range(n) if r.replica[i] == rep]
+        idx.sort(key=lambda i: (r.arrival[i], i))
+        assert [r.start[i] for i in idx] == sorted(r.start[i] for i in idx)
+        for a, b in zip(idx, idx[1:]):
+            assert r.start[b] >= ends[a] - 1e-9
+            if r.start[b] > r.arrival[b] + 1e-9:
+                assert r.start[b] == pytest.approx(max(ends[a], r.arrival[b]))
+    # With an unbounded cache, a request's cached tokens are the leading blocks that some
+    # earlier request on its replica had finished writing when its prefill started: the
+    # prompt's blocks at that request's first token, the output's at its completion.
+    done = r.start + r.prefill_s + np.array([t.output_tokens for t in turns]) * fleet.time_per_output_token
+    for i, turn in enumerate(turns):
+        ready = set()
+        for j, other in enumerate(turns):
+            if r.replica[j] != r.replica[i] or j == i:
+                continue
+            if ends[j] <= r.start[i]:
+                ready.update(int(h) for h in other.hashes)
+            if done[j] <= r.start[i]:
+                ready.update(int(h) for h in other.after_hashes)
+        m = 0
+        while m < len(turn.hashes) and int(turn.hashes[m]) in ready:
+            m += 1
+        assert r.cached_tokens[i] == m * 16
