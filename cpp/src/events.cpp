@@ -1,6 +1,7 @@
 // EventApplier (see events.hpp); messages match python/kvroute/reference/events.py exactly.
 #include "kvroute/events.hpp"
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -20,7 +21,8 @@ std::string int_text(const mp::Item& it) {
 }
 
 /// Open-addressing map from 64-bit hashes (linear probing, backward-shift deletion): the
-/// per-block maps are the hot path, and node-based maps allocate per block.
+/// per-block maps are the hot path, and node-based maps allocate per block. Key, flag and
+/// value share a slot so that a lookup touches one cache line.
 template <class V>
 class HashMap {
 public:
@@ -29,8 +31,9 @@ public:
     V* find(std::uint64_t key) noexcept {
         if (size_ == 0) return nullptr;
         for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
-            if (!used_[i]) return nullptr;
-            if (keys_[i] == key) return &vals_[i];
+            Slot& s = slots_[i];
+            if (!s.used) return nullptr;
+            if (s.key == key) return &s.val;
         }
     }
     const V* find(std::uint64_t key) const noexcept {
@@ -38,19 +41,19 @@ public:
     }
     /// The value for key, default-constructed (and `inserted` set) when new.
     V& get(std::uint64_t key, bool& inserted) {
-        if ((size_ + 1) * 2 > keys_.size()) grow();
+        if ((size_ + 1) * 2 > slots_.size()) grow();
         for (std::size_t i = slot(key);; i = (i + 1) & mask_) {
-            if (!used_[i]) {
-                used_[i] = 1;
-                keys_[i] = key;
-                vals_[i] = V{};
+            Slot& s = slots_[i];
+            if (!s.used) {
+                s.used = true;
+                s.key = key;
                 ++size_;
                 inserted = true;
-                return vals_[i];
+                return s.val;  // empty slots always hold V{}
             }
-            if (keys_[i] == key) {
+            if (s.key == key) {
                 inserted = false;
-                return vals_[i];
+                return s.val;
             }
         }
     }
@@ -58,34 +61,44 @@ public:
         if (size_ == 0) return false;
         std::size_t i = slot(key);
         for (;; i = (i + 1) & mask_) {
-            if (!used_[i]) return false;
-            if (keys_[i] == key) break;
+            if (!slots_[i].used) return false;
+            if (slots_[i].key == key) break;
         }
         // Backward shift: move later members of the probe run into the hole.
         std::size_t hole = i;
-        for (std::size_t j = (i + 1) & mask_; used_[j]; j = (j + 1) & mask_) {
-            const std::size_t home = slot(keys_[j]);
+        for (std::size_t j = (i + 1) & mask_; slots_[j].used; j = (j + 1) & mask_) {
+            const std::size_t home = slot(slots_[j].key);
             const bool movable = hole <= j ? (home <= hole || home > j) : (home <= hole && home > j);
             if (movable) {
-                keys_[hole] = keys_[j];
-                vals_[hole] = std::move(vals_[j]);
+                slots_[hole].key = slots_[j].key;
+                slots_[hole].val = std::move(slots_[j].val);
                 hole = j;
             }
         }
-        used_[hole] = 0;
-        vals_[hole] = V{};
+        slots_[hole].used = false;
+        slots_[hole].val = V{};
         --size_;
         return true;
     }
+    /// Empties the map but keeps its slots: an engine that cleared its cache refills it.
     void clear() {
-        keys_.clear();
-        vals_.clear();
-        used_.clear();
+        if (size_ == 0) return;
+        for (Slot& s : slots_) {
+            if (s.used) {
+                s.used = false;
+                s.val = V{};
+            }
+        }
         size_ = 0;
-        mask_ = 0;
     }
 
 private:
+    struct Slot {
+        std::uint64_t key = 0;
+        bool used = false;
+        V val{};
+    };
+
     static std::uint64_t mix(std::uint64_t x) noexcept {
         // splitmix64 finalizer: engine hashes in tests are small integers.
         x ^= x >> 30;
@@ -98,27 +111,21 @@ private:
         return static_cast<std::size_t>(mix(key)) & mask_;
     }
     void grow() {
-        const std::size_t cap = keys_.empty() ? 16 : keys_.size() * 2;
-        std::vector<std::uint64_t> keys(cap);
-        std::vector<V> vals(cap);
-        std::vector<std::uint8_t> used(cap, 0);
-        std::swap(keys, keys_);
-        std::swap(vals, vals_);
-        std::swap(used, used_);
+        const std::size_t cap = slots_.empty() ? 16 : slots_.size() * 2;
+        std::vector<Slot> old(cap);
+        std::swap(old, slots_);
         mask_ = cap - 1;
-        for (std::size_t i = 0; i < used.size(); ++i) {
-            if (!used[i]) continue;
-            std::size_t s = slot(keys[i]);
-            while (used_[s]) s = (s + 1) & mask_;
-            used_[s] = 1;
-            keys_[s] = keys[i];
-            vals_[s] = std::move(vals[i]);
+        for (Slot& s : old) {
+            if (!s.used) continue;
+            std::size_t i = slot(s.key);
+            while (slots_[i].used) i = (i + 1) & mask_;
+            slots_[i].used = true;
+            slots_[i].key = s.key;
+            slots_[i].val = std::move(s.val);
         }
     }
 
-    std::vector<std::uint64_t> keys_;
-    std::vector<V> vals_;
-    std::vector<std::uint8_t> used_;
+    std::vector<Slot> slots_;
     std::size_t size_ = 0;
     std::size_t mask_ = 0;
 };
