@@ -474,3 +474,11 @@ def test_decisions_are_identical_across_implementations():
         return out
 
     same(run)
+
+
+def test_ids_taken_on_the_index_directly_are_skipped(impl):
+    r = make(impl, ["a"], policy="round_robin")
+    assert r.index.add_replica() == 1  # not through the Router: a dead slot for it
+    assert r.add_replica("b") == 2
+    assert r.replicas == ["a", "b"]
+    assert {r.route(prompt(i)).replica for i in range(4)} == {"a", "b"}

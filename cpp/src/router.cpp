@@ -97,7 +97,8 @@ std::uint32_t Router::add_replica(const std::string& name) {
     if (ids_.count(name)) throw ValueError("replica '" + name + "' already exists");
     const std::uint32_t r = index_->add_replica();
     if (spec_) spec_->add_replica();
-    if (r == names_.size()) {
+    // Ids added to the index directly (not through the Router) stay dead slots here.
+    while (r >= names_.size()) {
         names_.emplace_back();
         live_.push_back(0);
         gen_.push_back(0);

@@ -265,13 +265,13 @@ class Router:
             r = self._index.add_replica()
             if self._spec is not None:
                 self._spec.add_replica()
-            if r == len(self._names):
+            # Ids added to router.index directly (not through the Router) stay dead slots here.
+            while r >= len(self._names):
                 for arr, v in self._arrays():
                     arr.append(v)
                 self._gen.append(0)
-            else:
-                for arr, v in self._arrays():
-                    arr[r] = v
+            for arr, v in self._arrays():
+                arr[r] = v
             self._names[r] = name
             self._gen[r] += 1
             self._ids[name] = r
@@ -774,13 +774,17 @@ class _Ctx:
     def llmd(self, order: list[int]) -> tuple[int, str]:
         rt, p = self.rt, self.p
         pb = len(self.hashes)
-        q = {r: (rt._waiting[r] if rt._waiting[r] is not None else rt._prefill_reqs[r]) for r in order}
+        q: dict[int, int] = {}
+        for r in order:
+            waiting = rt._waiting[r]
+            q[r] = waiting if waiting is not None else rt._prefill_reqs[r]
         qmax, qmin = max(q.values()), min(q.values())
 
         def score(r: int) -> float:
             prefix = self.match[r] / pb if pb > 0 else 0.0
             queue = (qmax - q[r]) / (qmax - qmin) if qmax > qmin else 1.0
-            kv = 1.0 - (rt._kv[r] if rt._kv[r] is not None else 0.0)
+            usage = rt._kv[r]
+            kv = 1.0 - (usage if usage is not None else 0.0)
             return p["w_prefix"] * prefix + p["w_queue"] * queue + p["w_kv"] * kv
 
         chosen = self.argmin(order, lambda r: -score(r))
