@@ -298,3 +298,49 @@ def test_backend_choice_is_exported():
 
     assert kvroute.EventApplier is ev.EventApplier
     assert ev.EventApplier in (load_impl("native").EventApplier, load_impl("reference").EventApplier)
+
+
+def test_events_module_needs_neither_zmq_nor_msgspec_to_import():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvroute.events, kvroute.reference; "
+            "print('zmq' in sys.modules, 'msgspec' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("impl_name", ["native", "reference"])
+def test_concurrent_appliers_and_readers(impl_name):
+    """Replicas fed from four threads while another matches: every replica ends exact."""
+    import threading
+
+    from kv_wire import Engine
+
+    M = load_impl(impl_name)
+    idx = M.PrefixIndex(4)
+    a = M.EventApplier(idx)
+    engines = [Engine("vllm-array", 12, 16, 16) for _ in range(4)]
+    rng = np.random.default_rng(5)
+    streams = [[batch(e.serve(T[: 16 * int(rng.integers(1, 5))] + rng.integers(0, 3, 32).tolist()))
+                 for _ in range(60)] for e in engines]
+    errors: list[BaseException] = []
+
+    def feed(r):
+        try:
+            for p in streams[r]:
+                assert a.apply(r, p)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=feed, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        idx.match(kv(T))
+        a.stats()
+    for t in threads:
+        t.join()
+    assert not errors
+    for r, e in enumerate(engines):
+        assert idx.held(r).tolist() == e.truth()

@@ -54,7 +54,6 @@ import threading
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
 import xxhash
 
@@ -153,10 +152,24 @@ def decode(payload: Any) -> EventBatch:
     except TypeError:
         raise TypeError(f"payload must be a bytes-like object, got {type(payload).__name__}") from None
     try:
-        obj = msgspec.msgpack.decode(data)
+        obj = _msgpack_decode()(data)
     except Exception:  # noqa: BLE001 - any decoder failure is the same malformed payload
         raise MalformedBatch("payload is not valid msgpack") from None
     return _batch(obj)
+
+
+_DECODE: Any = None
+
+
+def _msgpack_decode() -> Any:
+    """msgspec's generic msgpack decoder, imported on first use: msgspec is in the `events`
+    extra, and kvroute (including this reference twin) must import without it."""
+    global _DECODE
+    if _DECODE is None:
+        import msgspec
+
+        _DECODE = msgspec.msgpack.Decoder().decode
+    return _DECODE
 
 
 def _batch(obj: Any) -> EventBatch:
