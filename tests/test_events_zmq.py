@@ -300,3 +300,22 @@ def test_lifecycle_and_errors(pubs):
     with pytest.raises(RuntimeError, match="could not start"):
         bad.start()
     assert not bad.running
+
+
+def test_apply_errors_do_not_stop_the_thread(pubs):
+    pub0, pub1 = pubs(replay=None), pubs(replay=None)
+    idx, applier = new_applier()
+    eng = Engine("vllm-array", capacity=8, engine_block_size=16, block_size=16)
+    with Subscriber(applier, [Source(0, pub0.endpoint), Source(1, pub1.endpoint)]) as sub:
+        warm_up(pub0, sub, 0)
+        warm_up(pub1, sub, 1)
+        idx.remove_replica(0)  # the router dropped replica 0 while its engine still publishes
+        pub0.publish(batch(eng.serve(BASE[:32])))
+        deadline = time.monotonic() + WAIT
+        while sub.status()["replicas"][0]["errors"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = sub.status()["replicas"][0]
+        assert st["errors"] == 1 and st["last_exception"] == "IndexError: replica 0 was removed"
+        eng1 = Engine("vllm-array", capacity=8, engine_block_size=16, block_size=16)
+        send(pub1, sub, 1, eng1.serve(BASE[:48]))
+        assert sub.running and idx.held(1).tolist() == eng1.truth()

@@ -74,6 +74,8 @@ class _Track:
     restarts: int = 0
     duplicates: int = 0
     bad_frames: int = 0
+    errors: int = 0
+    last_exception: str | None = None
 
 
 class Subscriber:
@@ -169,8 +171,9 @@ class Subscriber:
 
     def status(self) -> dict[str, Any]:
         """Counters: per replica (batches, malformed, gaps, replays, replayed_batches,
-        resyncs, restarts, duplicates, bad_frames, last_seq, lag = now - engine ts of the
-        last batch, in seconds, or None) and the applier's totals under "applier"."""
+        resyncs, restarts, duplicates, bad_frames, errors and last_exception (exceptions
+        raised while applying, e.g. for a removed replica id), last_seq, lag = now - engine
+        ts of the last batch, in seconds, or None) and the applier's totals under "applier"."""
         now = time.time()
         with self._cond:
             replicas = {}
@@ -187,6 +190,8 @@ class Subscriber:
                     "restarts": t.restarts,
                     "duplicates": t.duplicates,
                     "bad_frames": t.bad_frames,
+                    "errors": t.errors,
+                    "last_exception": t.last_exception,
                     "lag": None if t.last_ts is None else now - t.last_ts,
                 }
             totals = {k: sum(v[k] for v in replicas.values()) for k in (
@@ -243,7 +248,14 @@ class Subscriber:
                             frames = s.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._on_message(ctx, socks[s], frames)
+                        t = socks[s]
+                        try:
+                            self._on_message(ctx, t, frames)
+                        except Exception as exc:  # noqa: BLE001 - e.g. the replica id was removed
+                            # One bad delivery must not end the thread that follows every engine.
+                            with self._cond:
+                                t.errors += 1
+                                t.last_exception = f"{type(exc).__name__}: {exc}"
         finally:
             for s in socks:
                 s.close(0)
