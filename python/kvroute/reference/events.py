@@ -330,6 +330,8 @@ class EventApplier:
     hash to the same blocks. `tier_index`, a second PrefixIndex, receives blocks of other
     media (CPU, disk); it gains replica ids as needed to cover the ones used. The applier
     is safe to call from several threads (one lock); the subscriber calls it from its own.
+    Replica ids are the index's: when an id is removed and later handed out again
+    (index.add_replica reuses ids), call clear_replica(id) before feeding the new engine.
     See the module docstring for the semantics.
     """
 
