@@ -176,7 +176,7 @@ class Subscriber:
         ts of the last batch, in seconds, or None) and the applier's totals under "applier"."""
         now = time.time()
         with self._cond:
-            replicas = {}
+            replicas: dict[int, dict[str, Any]] = {}
             for r, t in self._tracks.items():
                 replicas[r] = {
                     "endpoint": t.source.endpoint,
@@ -226,7 +226,7 @@ class Subscriber:
                     s.setsockopt(zmq.SUBSCRIBE, t.source.topic.encode("utf-8"))
                     if t.source.bind:
                         s.bind(t.source.endpoint)
-                        where = s.getsockopt(zmq.LAST_ENDPOINT).decode()
+                        where = s.getsockopt_string(zmq.LAST_ENDPOINT)
                     else:
                         s.connect(t.source.endpoint)
                         where = t.source.endpoint
