@@ -96,12 +96,16 @@ std::optional<std::string> session_arg(py::handle h) {
 
 // A handle; nullopt when it is an int no int64 holds (never issued, so IndexError later).
 std::optional<std::int64_t> handle_arg(py::handle h, std::string& text) {
-    py::object v = index_arg("handle", h);
-    text = py::str(v).cast<std::string>();
     int overflow = 0;
+    if (PyLong_CheckExact(h.ptr())) {  // the common case, without a temporary object
+        const long long raw = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+        if (overflow == 0) return raw;
+    }
+    py::object v = index_arg("handle", h);
     const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
-    if (overflow != 0) return std::nullopt;
-    return raw;
+    if (overflow == 0) return raw;
+    text = py::str(v).cast<std::string>();
+    return std::nullopt;
 }
 
 Policy policy_of(const std::string& name) {
