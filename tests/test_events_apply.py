@@ -344,3 +344,27 @@ def test_concurrent_appliers_and_readers(impl_name):
     assert not errors
     for r, e in enumerate(engines):
         assert idx.held(r).tolist() == e.truth()
+
+
+def test_per_replica_salt():
+    def run(M):
+        idx, a = fresh(M, salt="model")
+        a.set_salt(1, b"lora-7")
+        for r in (0, 1):
+            a.apply(r, batch([stored("vllm-array", [1, 2], None, T[:32], 16)]))
+        held = idx.held(0).tolist(), idx.held(1).tolist(), a.replica_stats(1)["salt"]
+        a.set_salt(1, None)
+        a.clear_replica(1)
+        a.apply(1, batch([stored("vllm-array", [1], None, T[:16], 16)]))
+        return held, idx.held(1).tolist(), a.replica_stats(1)["salt"]
+
+    (h0, h1, s1), after, s_after = both(run)
+    assert h0 == sorted(kv(T[:32], salt="model")) and h1 == sorted(kv(T[:32], salt="lora-7"))
+    assert s1 == b"lora-7" and s_after == b"model" and after == [kv(T[:16], salt="model")[0]]
+
+
+def test_set_salt_errors():
+    def run(M):
+        return fresh(M)[1].set_salt(0, 5)
+
+    assert same(run) == ("raise", ("TypeError", "salt must be str, bytes or None, got int"))

@@ -181,6 +181,16 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
             py::arg("replica"), py::arg("block_hashes"), py::kw_only(), py::arg("medium") = py::none(),
             "Apply one BlockRemoved from an array of engine hashes; returns blocks removed.")
         .def(
+            "set_salt",
+            [](EventApplier& a, py::handle replica, py::handle salt) {
+                const std::int64_t r = replica_arg(a, replica);
+                if (salt.is_none()) return a.set_salt(r, nullptr);
+                const std::string bytes = salt_bytes(salt);
+                a.set_salt(r, &bytes);
+            },
+            py::arg("replica"), py::arg("salt"),
+            "Give the replica its own salt (None: the applier's again) for chains started later.")
+        .def(
             "clear_replica",
             [](EventApplier& a, py::handle replica) {
                 const std::int64_t r = replica_arg(a, replica);
@@ -219,11 +229,12 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                 d["engine_block_size"] = optional_obj(s.engine_block_size);
                 d["unusable"] = optional_obj(s.unusable);
                 d["last_ts"] = optional_obj(s.last_ts);
+                d["salt"] = py::bytes(s.salt);
                 return d;
             },
             py::arg("replica"),
             "One replica: batches, engine_blocks, index_blocks, tier_blocks, engine_block_size, "
-            "unusable, last_ts.")
+            "unusable, last_ts, salt.")
         .def("__repr__", [](const EventApplier& a) {
             return "EventApplier(block_size=" + std::to_string(a.block_size()) + ")";
         });

@@ -171,6 +171,8 @@ struct ReplicaState {
     std::optional<std::string> unusable;
     std::optional<double> last_ts;
     std::uint64_t batches = 0;
+    std::optional<std::string> salt;  // set_salt(): this replica's own salt and chain root
+    std::uint64_t root = 0;
 };
 
 enum class Kind : std::uint8_t { Stored, Removed, Cleared };
@@ -601,7 +603,7 @@ struct EventApplier::Impl {
         if (n == 0 || mismatch(r, st, size)) return;
         const int t = medium == 0 ? 0 : 1;
         auto& refs = st.refs[t];
-        std::uint64_t seed = root;
+        std::uint64_t seed = st.salt ? st.root : root;
         bool has_pred = false;
         if (parent) {
             seed = st.entries.find(*parent)->last();
@@ -812,6 +814,20 @@ std::size_t EventApplier::apply_removed(std::int64_t r, const std::uint64_t* has
     return done;
 }
 
+void EventApplier::set_salt(std::int64_t r, const std::string* salt) {
+    Impl& m = *impl_;
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.check(r);
+    ReplicaState& st = m.state(r);
+    if (salt) {
+        st.salt = *salt;
+        st.root = root_hash(salt->data(), salt->size());
+    } else {
+        st.salt.reset();
+        st.root = 0;
+    }
+}
+
 void EventApplier::clear_replica(std::int64_t r) {
     Impl& m = *impl_;
     std::lock_guard<std::mutex> lock(m.mu);
@@ -832,9 +848,11 @@ ReplicaEventStats EventApplier::replica_stats(std::int64_t r) const {
     std::lock_guard<std::mutex> lock(m.mu);
     m.check(r);
     ReplicaEventStats out;
+    out.salt = m.salt;
     const auto i = static_cast<std::size_t>(r);
     if (i >= m.replicas.size() || !m.replicas[i]) return out;
     const ReplicaState& st = *m.replicas[i];
+    if (st.salt) out.salt = *st.salt;
     out.batches = st.batches;
     out.engine_blocks = st.entries.size();
     out.index_blocks = st.refs[0].size();

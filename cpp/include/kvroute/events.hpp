@@ -48,6 +48,7 @@ struct ReplicaEventStats {
     std::optional<std::uint64_t> engine_block_size;  ///< last engine block size seen
     std::optional<std::string> unusable;             ///< why it is ignored, if it is
     std::optional<double> last_ts;                   ///< engine time of its last batch
+    std::string salt;                                ///< bytes its chains start from
 };
 
 /// Applies engine KV event batches to PrefixIndex replicas.
@@ -74,6 +75,8 @@ public:
     /// One BlockRemoved from an array; returns engine blocks removed.
     std::size_t apply_removed(std::int64_t r, const std::uint64_t* hashes, std::size_t n,
                               const std::string* medium);
+    /// Gives the replica its own salt (null: the applier's again) for chains started later.
+    void set_salt(std::int64_t r, const std::string* salt);
     /// Forgets the replica: map, blocks in both indexes, unusable mark.
     void clear_replica(std::int64_t r);
 

@@ -295,9 +295,11 @@ class _Entry:
 
 
 class _Replica:
-    __slots__ = ("entries", "dead", "refs", "engine_block_size", "unusable", "last_ts", "batches")
+    __slots__ = ("entries", "dead", "refs", "engine_block_size", "unusable", "last_ts", "batches", "salt", "root")
 
     def __init__(self) -> None:
+        self.salt: bytes | None = None  # set_salt(): this replica's chains start from its own salt
+        self.root: int | None = None
         self.entries: dict[int, _Entry] = {}
         self.dead: list[int] = []  # engine hashes whose last count went, purged after the batch
         # kvroute hash -> engine blocks mapping to it, for tier 0 (GPU) and tier 1 (others).
@@ -478,6 +480,19 @@ class EventApplier:
             self._purge(st)
             return done
 
+    def set_salt(self, replica: int, salt: str | bytes | None) -> None:
+        """Give the replica its own salt (None: the applier's again), for example a LoRA
+        adapter or tenant it alone serves. Chains that start after the call use it; call it
+        before feeding the replica's events."""
+        with self._lock:
+            r = self._check_replica(replica)
+            st = self._state(r)
+            if salt is None:
+                st.salt = st.root = None
+            else:
+                st.salt = salt_bytes(salt)
+                st.root = xxhash.xxh3_64_intdigest(st.salt, 0)
+
     def clear_replica(self, replica: int) -> None:
         """Forget everything about the replica (a resync): its map, its blocks in both
         indexes, and an unusable mark."""
@@ -500,7 +515,8 @@ class EventApplier:
     def replica_stats(self, replica: int) -> dict[str, Any]:
         """One replica: batches, engine_blocks (engine hashes in the map), index_blocks
         (kvroute blocks held in the GPU tier), tier_blocks (other media), engine_block_size
-        (last seen), unusable (reason or None), last_ts (engine time of the last batch)."""
+        (last seen), unusable (reason or None), last_ts (engine time of the last batch),
+        salt (bytes its chains start from)."""
         with self._lock:
             r = self._check_replica(replica)
             st = self._replicas.get(r) or _Replica()
@@ -512,6 +528,7 @@ class EventApplier:
                 "engine_block_size": st.engine_block_size,
                 "unusable": st.unusable,
                 "last_ts": st.last_ts,
+                "salt": self._salt if st.salt is None else st.salt,
             }
 
     def __repr__(self) -> str:
@@ -577,7 +594,7 @@ class EventApplier:
         refs = st.refs[tier]
         entries = st.entries
         if parent is None:
-            seed = self._root
+            seed = self._root if st.root is None else st.root
             pred: int | None = None
         else:
             seed = entries[parent].kv[-1]
