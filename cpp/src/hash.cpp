@@ -346,6 +346,22 @@ std::size_t chain(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t
         // vLLM's default block size of 16 tokens: a constant length unrolls the medium path.
         // The OR runs beside the hash, whose speed is set by the latency of the seed chain.
         const u8* p = reinterpret_cast<const u8*>(tokens);
+#if defined(__SSE2__)
+        // In vector registers the OR uses pipes the integer-bound hash leaves idle.
+        __m128i wide = _mm_setzero_si128();
+        for (std::size_t b = 0; b < count; ++b, p += 64) {
+            if (kTrack) {
+                const __m128i* v = reinterpret_cast<const __m128i*>(p);
+                wide = _mm_or_si128(wide, _mm_or_si128(_mm_or_si128(_mm_loadu_si128(v), _mm_loadu_si128(v + 1)),
+                                                       _mm_or_si128(_mm_loadu_si128(v + 2), _mm_loadu_si128(v + 3))));
+            }
+            seed = hash_17to128(p, 64, seed);
+            out[b] = seed;
+        }
+        alignas(16) u32 lanes[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), wide);
+        any = lanes[0] | lanes[1] | lanes[2] | lanes[3];
+#else
         u64 wide = 0;
         for (std::size_t b = 0; b < count; ++b, p += 64) {
             if (kTrack) {
@@ -356,6 +372,7 @@ std::size_t chain(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t
             out[b] = seed;
         }
         any = static_cast<u32>(wide) | static_cast<u32>(wide >> 32);
+#endif
     } else {
         const u8* p = reinterpret_cast<const u8*>(tokens);
         for (std::size_t b = 0; b < count; ++b, p += bytes) {
