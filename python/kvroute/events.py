@@ -91,6 +91,9 @@ class Subscriber:
     number back to 0 means the engine restarted: the replica is cleared and followed anew.
     Older numbers are duplicates and dropped. The first batch seen from a publisher at
     sequence k > 0 is a gap from 0. Malformed frames or payloads are counted and skipped.
+    After a resync the replica knows only blocks stored since: a later store whose parent
+    came before the gap has an unknown parent, so its batch is skipped (counted malformed)
+    until the engine's chains restart from the root or it clears its cache.
     """
 
     def __init__(
