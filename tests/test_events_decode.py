@@ -287,3 +287,43 @@ def test_fuzz_bytes_agree(junk, pos, byte):
     if pos < len(mutated):
         mutated[pos] = byte
     applied(bytes(mutated))
+
+
+@pytest.mark.parametrize(
+    "first, second, ok",
+    [
+        ([True] * 16, list(range(16)), True),  # the last duplicate key wins, as in msgspec's dict
+        (list(range(16)), [True] * 16, False),
+        (list(range(16)), [1 << 40] * 16, False),
+        (list(range(16)), list(range(1 << 20, (1 << 20) + 16)), True),
+    ],
+)
+def test_map_event_with_duplicate_token_ids_keys(first, second, ok):
+    def kv(key, value):
+        return ENC(key) + ENC(value)
+
+    event = (bytes([0x85]) + kv("type", "BlockStored") + kv("block_hashes", [1]) + kv("token_ids", first)
+             + kv("token_ids", second) + kv("block_size", 16))
+    payload = bytes([0x93, 0x01, 0x91]) + event + bytes([0x00])
+    if ok:
+        assert decode(payload).events[0].token_ids == tuple(second)
+    else:
+        with pytest.raises(MalformedBatch):
+            decode(payload)
+    got, stats, rstats, held = applied(payload)
+    assert got is ok and (rstats["index_blocks"] == 1) is ok
+
+
+def test_token_encodings_outside_the_fast_path():
+    # uint64- and int-encoded small token ids are still token ids.
+    toks = b"".join([b"\xcf" + (5).to_bytes(8, "big"), b"\xd3" + (6).to_bytes(8, "big"), b"\xd0\x07"]
+                    + [bytes([i]) for i in range(13)])
+    for layout in ("array", "map"):
+        if layout == "array":
+            event = bytes([0x95]) + ENC("BlockStored") + ENC([9]) + b"\xc0" + b"\xdc\x00\x10" + toks + ENC(16)
+        else:
+            event = (bytes([0x84]) + ENC("type") + ENC("BlockStored") + ENC("block_hashes") + ENC([9])
+                     + ENC("token_ids") + b"\xdc\x00\x10" + toks + ENC("block_size") + ENC(16))
+        payload = bytes([0x92, 0x01, 0x91]) + event
+        assert decode(payload).events[0].token_ids == (5, 6, 7, *range(13))
+        assert applied(payload)[0] is True

@@ -453,11 +453,46 @@ struct EventApplier::Impl {
         batch.events.push_back(out);
     }
 
+    // Reads an array of ints in [0, 2**32) at p into batch.tokens and moves p past it; false
+    // (p unspecified, batch.tokens unchanged) when it is anything else.
+    bool read_plain_tokens(const std::uint8_t*& p, std::size_t& begin, std::size_t& count) {
+        const mp::Item arr = mp::next(p);
+        if (arr.type != mp::Type::Array) return false;
+        begin = batch.tokens.size();
+        count = arr.len;
+        batch.tokens.resize(begin + count);
+        std::uint32_t* dst = batch.tokens.data() + begin;
+        for (std::uint32_t j = 0; j < arr.len; ++j) {
+            const std::uint8_t c = *p;
+            if (c <= 0x7F) {
+                dst[j] = c;
+                p += 1;
+            } else if (c == 0xCD) {
+                dst[j] = static_cast<std::uint32_t>((p[1] << 8) | p[2]);
+                p += 3;
+            } else if (c == 0xCE) {
+                dst[j] = (std::uint32_t{p[1]} << 24) | (std::uint32_t{p[2]} << 16) | (std::uint32_t{p[3]} << 8) | p[4];
+                p += 5;
+            } else if (c == 0xCC) {
+                dst[j] = p[1];
+                p += 2;
+            } else {
+                batch.tokens.resize(begin);
+                return false;
+            }
+        }
+        return true;
+    }
+
     // Map event {"type": ..., field: ...}: keys in any order, so positions first, then the
     // fields in the reference's order.
     void event_map(std::size_t i, std::uint32_t len, const std::uint8_t*& p) {
         const std::uint8_t* type_at = nullptr;
         const std::uint8_t* at[7] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+        // token_ids are read while passing them when they are all plain ints (they are most of
+        // the payload); anything else is left for the ordered evaluation below.
+        const std::uint8_t* tokens_read_at = nullptr;
+        std::size_t tokens_begin = 0, tokens_count = 0;
         for (std::uint32_t k = 0; k < len; ++k) {
             const std::uint8_t* key_at = p;
             mp::skip(p);
@@ -467,7 +502,14 @@ struct EventApplier::Impl {
                 if (s == "type") type_at = p;
                 else if (s == "block_hashes") at[0] = p;
                 else if (s == "parent_block_hash") at[1] = p;
-                else if (s == "token_ids") at[2] = p;
+                else if (s == "token_ids") {
+                    at[2] = p;
+                    if (read_plain_tokens(p, tokens_begin, tokens_count)) {
+                        tokens_read_at = at[2];
+                        continue;
+                    }
+                    p = at[2];
+                }
                 else if (s == "block_size") at[3] = p;
                 else if (s == "medium") at[5] = p;
             }
@@ -488,6 +530,11 @@ struct EventApplier::Impl {
         if (stored) {
             for (int slot = 0; slot < 6; ++slot) {
                 const std::uint8_t* q = slot == 4 ? nullptr : at[slot];
+                if (slot == 2 && q && q == tokens_read_at) {
+                    out.t_begin = tokens_begin;
+                    out.t_count = tokens_count;
+                    continue;
+                }
                 stored_slot(i, slot, q, out);
             }
         } else {
