@@ -22,6 +22,11 @@ namespace kvroute::bindings {
 class KVROUTE_BINDING_HIDDEN TokenView {
 public:
     TokenView() = default;
+    // Move-only: data_ may point into owned_, which a copy would not carry along.
+    TokenView(const TokenView&) = delete;
+    TokenView& operator=(const TokenView&) = delete;
+    TokenView(TokenView&&) noexcept = default;
+    TokenView& operator=(TokenView&&) noexcept = default;
     /// First token (valid for size() tokens while the view lives).
     const std::uint32_t* data() const noexcept { return data_; }
     /// Number of tokens.
