@@ -389,3 +389,27 @@ def test_negative_int32_anywhere(block_size, where):
         ("ValueError", f"token {-where - 1} at index {where} is out of range [0, 2**32)"),
     )
     assert same(lambda m: m.block_hashes(tokens, block_size, salt=3))[1][1].startswith("token")
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint64", ">i8"])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 2047, 2048, 3000])
+def test_64_bit_arrays_across_chunks(impl, dtype, block_size):
+    # Native hashes 64-bit arrays in place, narrowing a chunk of about 2048 tokens at a time.
+    values = _token_values("uint32", 7001, seed=block_size)
+    got = impl.block_hashes(values.astype(dtype), block_size, salt="x")
+    assert got.tolist() == naive_chain(values.tolist(), block_size, b"x")
+
+
+@pytest.mark.parametrize("dtype", ["int64", "uint64"])
+@pytest.mark.parametrize("block_size", [1, 16, 2048, 3000])
+@pytest.mark.parametrize("where", [0, 2047, 2048, 4095, 6999, 7000])
+def test_bad_64_bit_token_anywhere(dtype, block_size, where):
+    # In a hashed block, in a later chunk or in the unhashed tail: the same error as the reference.
+    tokens = np.arange(7001, dtype=dtype)
+    bad = -(where + 1) if dtype == "int64" else (1 << 32) + where
+    tokens[where] = bad
+    assert same(lambda m: m.block_hashes(tokens, block_size)) == (
+        "raise",
+        ("ValueError", f"token {bad} at index {where} is out of range [0, 2**32)"),
+    )
+    assert same(lambda m: m.block_hashes(tokens, block_size, salt=1.5))[1][1].startswith("token")

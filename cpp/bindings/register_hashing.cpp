@@ -77,13 +77,14 @@ std::uint64_t hash_bytes(py::handle data, py::handle seed) {
 py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size, py::handle salt) {
     // Same check order as the reference, so that the first error reported is the same.
     const std::size_t size = check_block_size(block_size);
-    // int32 tokens are sign-checked inside the hashing pass below, not in a pass of their own.
-    const TokenView view = tokens_as_uint32(tokens, /*defer_sign_check=*/true);
+    // int32 and 64-bit tokens are range-checked inside the hashing pass below, not in a pass
+    // of their own; 64-bit ones are narrowed there too, a chunk at a time.
+    const TokenView view = tokens_as_uint32(tokens, /*defer_check=*/true);
     std::string salt_data;
     try {
         salt_data = salt_bytes(salt);
     } catch (...) {
-        view.check_sign();  // a bad token outranks a bad salt, as in the reference
+        view.check();  // a bad token outranks a bad salt, as in the reference
         throw;
     }
     const std::size_t count = view.size() / size;
@@ -91,7 +92,12 @@ py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size
     std::uint64_t* dst = out.mutable_data();
     const std::uint64_t root = root_hash(salt_data.data(), salt_data.size());
     std::uint32_t seen = 0;
+    std::uint64_t seen_wide = 0;
     auto run = [&] {
+        if (view.wide() != nullptr) {
+            chain_hashes(view.wide(), view.size(), size, root, dst, &seen_wide);
+            return;
+        }
         if (!view.sign_unchecked()) {
             chain_hashes(view.data(), view.size(), size, root, dst);
             return;
@@ -105,7 +111,9 @@ py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size
         run();
     }
     // The top bit of an int32 token is its sign: a negative token fails the call, hashes unseen.
-    if (seen >> 31) view.check_sign();
+    if (seen >> 31) view.check();
+    // A 64-bit token is in range exactly when its high half is zero (negatives included).
+    if (seen_wide >> 32) view.check();
     return out;
 }
 

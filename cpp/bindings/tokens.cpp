@@ -101,13 +101,22 @@ void narrow_tokens<std::uint64_t>(const std::uint64_t* src, std::size_t n, std::
 
 }  // namespace
 
-void TokenView::check_sign() const {
-    if (!sign_unchecked_) return;
-    const auto* p = reinterpret_cast<const std::int32_t*>(data_);
-    if (or_reduce(p, size_) < 0) bad_token_at<std::int32_t>(p, size_, [](std::int32_t v) { return v < 0; });
+void TokenView::check() const {
+    if (sign_unchecked_) {
+        const auto* p = reinterpret_cast<const std::int32_t*>(data_);
+        if (or_reduce(p, size_) < 0) bad_token_at<std::int32_t>(p, size_, [](std::int32_t v) { return v < 0; });
+    }
+    if (wide_ != nullptr) {
+        std::vector<std::uint32_t> scratch;
+        if (wide_signed_) {
+            narrow_tokens(reinterpret_cast<const std::int64_t*>(wide_), size_, scratch);
+        } else {
+            narrow_tokens(wide_, size_, scratch);
+        }
+    }
 }
 
-TokenView tokens_as_uint32(py::handle tokens, bool defer_sign_check) {
+TokenView tokens_as_uint32(py::handle tokens, bool defer_check) {
     TokenView view;
     py::object arr_obj;
     if (py::isinstance<py::array>(tokens)) {
@@ -186,8 +195,8 @@ TokenView tokens_as_uint32(py::handle tokens, bool defer_sign_check) {
         case 4: {
             // int32 is read in place: one OR-reduction finds any negative token.
             const auto* p = static_cast<const std::int32_t*>(ptr);
-            view.sign_unchecked_ = defer_sign_check;
-            if (!defer_sign_check && or_reduce(p, n) < 0) bad_token_at<std::int32_t>(p, n, [](std::int32_t v) { return v < 0; });
+            view.sign_unchecked_ = defer_check;
+            if (!defer_check && or_reduce(p, n) < 0) bad_token_at<std::int32_t>(p, n, [](std::int32_t v) { return v < 0; });
             view.data_ = reinterpret_cast<const std::uint32_t*>(p);
             view.size_ = n;
             view.keep_ = std::move(arr);
@@ -198,12 +207,26 @@ TokenView tokens_as_uint32(py::handle tokens, bool defer_sign_check) {
             view.size_ = n;
             view.keep_ = std::move(arr);
             return view;
+        case 8:
+        case 16 + 8:
+            if (defer_check) {
+                // Read in place; block_hashes range-checks inside its hashing pass.
+                view.wide_ = static_cast<const std::uint64_t*>(ptr);
+                view.wide_signed_ = kind == 'i';
+                view.size_ = n;
+                view.keep_ = std::move(arr);
+                return view;
+            }
+            if (kind == 'i') {
+                narrow_tokens(static_cast<const std::int64_t*>(ptr), n, view.owned_);
+            } else {
+                narrow_tokens(static_cast<const std::uint64_t*>(ptr), n, view.owned_);
+            }
+            break;
         case 1: narrow_tokens(static_cast<const std::int8_t*>(ptr), n, view.owned_); break;
         case 2: narrow_tokens(static_cast<const std::int16_t*>(ptr), n, view.owned_); break;
-        case 8: narrow_tokens(static_cast<const std::int64_t*>(ptr), n, view.owned_); break;
         case 16 + 1: narrow_tokens(static_cast<const std::uint8_t*>(ptr), n, view.owned_); break;
         case 16 + 2: narrow_tokens(static_cast<const std::uint16_t*>(ptr), n, view.owned_); break;
-        case 16 + 8: narrow_tokens(static_cast<const std::uint64_t*>(ptr), n, view.owned_); break;
         default:
             throw TypeError("tokens must have an integer dtype, got " + py::str(dtype).cast<std::string>());
     }

@@ -32,25 +32,31 @@ public:
     /// Number of tokens.
     std::size_t size() const noexcept { return size_; }
     /// True when the tokens are int32 whose sign check was deferred (tokens_as_uint32's
-    /// defer_sign_check): a token with its top bit set is then a negative input.
+    /// defer_check): a token with its top bit set is then a negative input.
     bool sign_unchecked() const noexcept { return sign_unchecked_; }
-    /// The deferred check: raises the reference's ValueError naming the first negative token.
-    void check_sign() const;
+    /// With defer_check, a contiguous int64/uint64 array is not narrowed: wide() points at it
+    /// in place (data() is then null) and its range is unchecked. Null otherwise.
+    const std::uint64_t* wide() const noexcept { return wide_; }
+    /// The deferred check: raises the reference's ValueError naming the first bad token.
+    void check() const;
 
 private:
-    friend TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_sign_check);
+    friend TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_check);
     const std::uint32_t* data_ = nullptr;
+    const std::uint64_t* wide_ = nullptr;
     std::size_t size_ = 0;
     bool sign_unchecked_ = false;
+    bool wide_signed_ = false;
     pybind11::object keep_;             // the array read in place (zero-copy case)
     std::vector<std::uint32_t> owned_;  // converted tokens (list, other dtypes)
 };
 
 /// Tokens (1-D integer numpy array, list/tuple of ints, array.array) as uint32; zero-copy
 /// for contiguous native-endian int32/uint32. Raises the reference's TypeError/ValueError.
-/// With defer_sign_check, int32 input is not scanned for negatives: the caller must run
-/// check_sign() (or an equivalent fused check) before it reports any result. Needs the GIL.
-TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_sign_check = false);
+/// With defer_check, int32 input is not scanned for negatives and int64/uint64 input is
+/// neither narrowed nor range-checked (see wide()): the caller must run check() (or a fused
+/// equivalent, as block_hashes does) before it reports any result. Needs the GIL.
+TokenView tokens_as_uint32(pybind11::handle tokens, bool defer_check = false);
 
 /// block_size as an int in [1, 65536], else the reference's TypeError/ValueError.
 std::size_t check_block_size(pybind11::handle block_size);

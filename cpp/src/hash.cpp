@@ -2,6 +2,7 @@
 // and kvroute's chained block hashes on top of it.
 #include "kvroute/hash.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -399,6 +400,92 @@ std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std:
 std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t block_size,
                          std::uint64_t seed, std::uint64_t* out, std::uint32_t* seen) noexcept {
     return chain<true>(tokens, n_tokens, block_size, seed, out, seen);
+}
+
+namespace {
+
+/// Low 32 bits of each value into dst; returns the OR of the values (four lanes, for speed).
+inline u64 narrow_or(const u64* src, std::size_t n, u32* dst) noexcept {
+    u64 lanes[4] = {};
+    std::size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (std::size_t k = 0; k < 4; ++k) {
+            lanes[k] |= src[i + k];
+            dst[i + k] = static_cast<u32>(src[i + k]);
+        }
+    }
+    u64 any = lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    for (; i < n; ++i) {
+        any |= src[i];
+        dst[i] = static_cast<u32>(src[i]);
+    }
+    return any;
+}
+
+}  // namespace
+
+std::size_t chain_hashes(const std::uint64_t* tokens, std::size_t n_tokens, std::size_t block_size,
+                         std::uint64_t seed, std::uint64_t* out, std::uint64_t* seen) {
+    // Narrowed a chunk at a time into a buffer that stays in L1, instead of a copy of the
+    // whole prompt: no allocation and one pass over the input for typical block sizes.
+    constexpr std::size_t kChunkTokens = 2048;
+    u64 any = 0;
+    std::size_t done = 0;
+    std::size_t count = 0;
+#if defined(__SSE2__)
+    if (block_size == 16 && kLittleEndian) {
+        // The default block: each block is narrowed in vector registers right before it is
+        // hashed; that work does not depend on the seed, so it overlaps the seed chain.
+        count = n_tokens / 16;
+        __m128i wide = _mm_setzero_si128();
+        alignas(16) u8 block[64];
+        const auto* v = reinterpret_cast<const __m128i*>(tokens);
+        for (std::size_t b = 0; b < count; ++b, v += 8) {
+            for (std::size_t q = 0; q < 4; ++q) {
+                const __m128i a = _mm_loadu_si128(v + 2 * q);
+                const __m128i c = _mm_loadu_si128(v + 2 * q + 1);
+                wide = _mm_or_si128(wide, _mm_or_si128(a, c));
+                // Low 32 bits of the four values, in order: (a0 a1 c0 c1).
+                const __m128i packed = _mm_unpacklo_epi64(_mm_shuffle_epi32(a, _MM_SHUFFLE(2, 0, 2, 0)),
+                                                          _mm_shuffle_epi32(c, _MM_SHUFFLE(2, 0, 2, 0)));
+                _mm_store_si128(reinterpret_cast<__m128i*>(block + 16 * q), packed);
+            }
+            seed = hash_17to128(block, 64, seed);
+            out[b] = seed;
+        }
+        alignas(16) u64 halves[2];
+        _mm_store_si128(reinterpret_cast<__m128i*>(halves), wide);
+        any = halves[0] | halves[1];
+        done = count * 16;
+    } else
+#endif
+    if (block_size != 0) {
+        count = n_tokens / block_size;
+        const std::size_t per_chunk = block_size >= kChunkTokens ? block_size : kChunkTokens / block_size * block_size;
+        u32 stack_buffer[kChunkTokens];
+        std::vector<u32> heap_buffer;
+        u32* buffer = stack_buffer;
+        if (per_chunk > kChunkTokens && count > 0) {
+            heap_buffer.resize(per_chunk);
+            buffer = heap_buffer.data();
+        }
+        for (std::size_t written = 0; written < count;) {
+            const std::size_t blocks = std::min(per_chunk / block_size, count - written);
+            const std::size_t len = blocks * block_size;
+            any |= narrow_or(tokens + done, len, buffer);
+            chain<false>(buffer, len, block_size, seed, out + written, nullptr);
+            seed = out[written + blocks - 1];
+            written += blocks;
+            done += len;
+        }
+    }
+    u64 lanes[4] = {};
+    for (; done + 4 <= n_tokens; done += 4) {
+        for (std::size_t k = 0; k < 4; ++k) lanes[k] |= tokens[done + k];
+    }
+    for (; done < n_tokens; ++done) any |= tokens[done];
+    *seen = any | lanes[0] | lanes[1] | lanes[2] | lanes[3];
+    return count;
 }
 
 }  // namespace kvroute

@@ -26,4 +26,10 @@ std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std:
 std::size_t chain_hashes(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t block_size,
                          std::uint64_t seed, std::uint64_t* out, std::uint32_t* seen) noexcept;
 
+/// chain_hashes over tokens held as 64-bit integers (int64/uint64 arrays, read in place):
+/// hashes each value's low 32 bits and stores in *seen the OR of all n_tokens values, so that
+/// the caller rejects values outside [0, 2**32) from `*seen >> 32` without a pass of its own.
+std::size_t chain_hashes(const std::uint64_t* tokens, std::size_t n_tokens, std::size_t block_size,
+                         std::uint64_t seed, std::uint64_t* out, std::uint64_t* seen);
+
 }  // namespace kvroute
