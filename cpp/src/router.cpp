@@ -105,6 +105,7 @@ std::uint32_t Router::add_replica(const std::string& name) {
         loads_.emplace_back();
         inflight_.push_back(0);
         queued_.push_back(0);
+        pending_.emplace_back();
     }
     reset_slot(r);
     names_[r] = name;
@@ -123,7 +124,10 @@ void Router::remove_replica(const std::string& name) {
     // Their later prefill_done/finish are accepted as no-ops: a gateway cannot avoid racing
     // a removal with the responses still streaming.
     for (auto& kv : requests_)
-        if (kv.second.replica == static_cast<std::int64_t>(r)) kv.second.replica = -1;
+        if (kv.second.replica == static_cast<std::int64_t>(r)) {
+            release_pending(kv.first, kv.second);
+            kv.second.replica = -1;
+        }
     reset_slot(r);
     names_[r].clear();
     live_[r] = 0;
@@ -214,19 +218,34 @@ void Router::prefill_done(std::int64_t handle) {
     const auto r = static_cast<std::size_t>(req.replica);
     ReplicaLoad& l = loads_[r];
     req.prefilled = true;
+    release_pending(handle, req);
     queued_[r] -= req.uncached;
     l.prefill_requests -= 1;
     l.prefill_blocks -= req.uncached_blocks;
     l.decode_blocks += req.blocks;
 }
 
+void Router::release_pending(std::int64_t handle, Request& req) {
+    if (opt_.policy != Policy::TTFT) return;
+    auto& list = pending_[static_cast<std::size_t>(req.replica)];
+    for (std::size_t i = 0; i < list.size(); ++i) {
+        if (list[i].handle == handle) {
+            list[i] = list.back();
+            list.pop_back();
+            break;
+        }
+    }
+    std::vector<std::uint64_t>().swap(req.hashes);
+}
+
 void Router::finish(std::int64_t handle) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = requests_.find(handle);
     if (it == requests_.end()) request(handle);  // throws the right error
-    const Request req = it->second;
+    Request req = std::move(it->second);
     requests_.erase(it);
     if (req.replica < 0) return;
+    release_pending(handle, req);
     const auto r = static_cast<std::size_t>(req.replica);
     ReplicaLoad& l = loads_[r];
     if (req.prefilled) {
@@ -543,6 +562,21 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
         for (std::size_t r = 0; r < match_.size() && r < spec_match_.size(); ++r)
             match_[r] = std::max(match_[r], spec_match_[r]);
     }
+    if (opt_.policy == Policy::TTFT) {
+        // A prompt queued behind a request with the same leading blocks on the same FIFO
+        // replica finds them cached when its own prefill starts: count them as matched.
+        for (std::uint32_t r : eligible_) {
+            std::size_t m = static_cast<std::size_t>(match_[r]);
+            for (const Pending& q : pending_[r]) {
+                const std::size_t len = std::min(q.len, pb);
+                if (len <= m) continue;
+                std::size_t k = 0;
+                while (k < len && q.hashes[k] == hashes[k]) ++k;
+                m = std::max(m, k);
+            }
+            match_[r] = static_cast<std::int32_t>(m);
+        }
+    }
 
     std::uint64_t rng = rng_;
     const char* binding = session ? "new" : "none";
@@ -603,7 +637,12 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
         std::min(matched * static_cast<std::int64_t>(opt_.block_size), num_tokens);
     const std::int64_t uncached_blocks = p - matched;
     const std::int64_t h = next_handle_++;
-    requests_.emplace(h, Request{chosen, num_tokens - cached, p, uncached_blocks, false});
+    auto slot = requests_.emplace(h, Request{chosen, num_tokens - cached, p, uncached_blocks, false, {}});
+    if (opt_.policy == Policy::TTFT) {
+        std::vector<std::uint64_t>& kept = slot.first->second.hashes;
+        kept.assign(hashes, hashes + pb);
+        pending_[chosen].push_back(Pending{h, kept.data(), kept.size()});
+    }
     ReplicaLoad& l = loads_[chosen];
     queued_[chosen] += num_tokens - cached;
     inflight_[chosen] += 1;

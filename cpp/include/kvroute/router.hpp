@@ -160,6 +160,13 @@ private:
         std::int64_t blocks;
         std::int64_t uncached_blocks;
         bool prefilled;
+        std::vector<std::uint64_t> hashes;  // ttft, before its first token: its prompt's blocks
+    };
+    // ttft: a request before its first token, on the list of its replica.
+    struct Pending {
+        std::int64_t handle;
+        const std::uint64_t* hashes;  // its Request's hashes (stable: map nodes do not move)
+        std::size_t len;
     };
     struct Session {
         std::string key;
@@ -176,6 +183,7 @@ private:
     Request& request(std::int64_t handle);
     void rebuild_ring();
     void reset_slot(std::uint32_t r);
+    void release_pending(std::int64_t handle, Request& req);
 
     // Policy evaluation over the candidate list (rotated); returns (replica, reason).
     std::pair<std::uint32_t, const char*> choose(const std::vector<std::uint32_t>& cands,
@@ -209,6 +217,7 @@ private:
     std::vector<std::int64_t> queued_;
     bool eligible_dirty_ = true;  // eligible_ is rebuilt only after a membership/flag change
     std::unordered_map<std::int64_t, Request> requests_;
+    std::vector<std::vector<Pending>> pending_;  // per replica, ttft only
     std::int64_t next_handle_ = 1;
     std::uint64_t rot_ = 0;
     std::uint64_t rng_;

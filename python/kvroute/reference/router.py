@@ -206,6 +206,8 @@ class Router:
         self._running: list[int | None] = []
         self._kv: list[float | None] = []
         self._requests: dict[int, _Request] = {}
+        # ttft: per replica, handle -> prompt hashes of its requests before their first token.
+        self._pending: list[dict[int, list[int]]] = []
         self._next_handle = 1
         self._rot = 0
         self._rng = SplitMix64(cfg.seed)
@@ -270,6 +272,7 @@ class Router:
                 for arr, v in self._arrays():
                     arr.append(v)
                 self._gen.append(0)
+                self._pending.append({})
             for arr, v in self._arrays():
                 arr[r] = v
             self._names[r] = name
@@ -285,8 +288,9 @@ class Router:
             self._index.remove_replica(r)
             if self._spec is not None:
                 self._spec.remove_replica(r)
-            for req in self._requests.values():
+            for h, req in self._requests.items():
                 if req.replica == r:
+                    self._release_pending(h, req)
                     req.replica = -1
             for arr, v in self._arrays():
                 arr[r] = v
@@ -390,6 +394,7 @@ class Router:
                 raise RuntimeError(f"request {h} already reported its first token")
             r = req.replica
             req.prefilled = True
+            self._release_pending(h, req)
             self._queued[r] -= req.uncached
             self._prefill_reqs[r] -= 1
             self._prefill_blocks[r] -= req.uncached_blocks
@@ -408,12 +413,16 @@ class Router:
             if req.prefilled:
                 self._decode_blocks[r] -= req.blocks
             else:
+                self._release_pending(h, req)
                 self._queued[r] -= req.uncached
                 self._prefill_reqs[r] -= 1
                 self._prefill_blocks[r] -= req.uncached_blocks
             self._inflight[r] -= 1
 
     # -- internals --------------------------------------------------------------------------
+
+    def _release_pending(self, h: int, req: _Request) -> None:
+        self._pending[req.replica].pop(h, None)
 
     def _arrays(self) -> list[tuple[list[Any], Any]]:
         return [
@@ -489,6 +498,21 @@ class Router:
             match = self._index.match(hashes).tolist()
             if self._spec is not None:
                 match = [max(a, b) for a, b in zip(match, self._spec.match(hashes).tolist())]
+            if self._policy == "ttft":
+                # A prompt queued behind a request with the same leading blocks on the same
+                # FIFO replica finds them cached when its own prefill starts: count them.
+                p = len(hl)
+                for r in eligible:
+                    m = match[r]
+                    for other in self._pending[r].values():
+                        n = min(len(other), p)
+                        if n <= m:
+                            continue
+                        k = 0
+                        while k < n and other[k] == hl[k]:
+                            k += 1
+                        m = max(m, k)
+                    match[r] = m
             ctx = _Ctx(self, hl, num_tokens, match, session, eligible)
 
             # Session: keep the bound replica unless it is gone or saturated.
@@ -534,6 +558,8 @@ class Router:
             uncached_blocks = p - matched
             h = self._next_handle
             self._next_handle += 1
+            if self._policy == "ttft":
+                self._pending[chosen][h] = hl
             self._requests[h] = _Request(chosen, num_tokens - cached, p, uncached_blocks)
             self._queued[chosen] += num_tokens - cached
             self._inflight[chosen] += 1
