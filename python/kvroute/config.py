@@ -47,7 +47,15 @@ ttft           lowest estimated time to first token, (queued prefill tokens + th
                request's uncached tokens) / prefill_rate, plus the prefill it adds to
                the fleet beyond the best-cached replica ((uncached - least uncached) /
                prefill_rate: work later requests wait behind); ties to the longer
-               match, then fewer in-flight requests. No parameters.
+               match, then fewer in-flight requests. Pending cache: a replica's match
+               also counts the leading blocks this prompt shares with requests routed
+               to it that have not reported their first token (a request queued
+               behind its twin on a FIFO replica finds the twin's blocks cached), so
+               ttft is not blind between routing and the engine's KV events; those
+               entries go at prefill_done, finish or remove_replica, and cost
+               O(prompt blocks) per queued request on a replica per decision.
+               Decision.matched_blocks and the queued tokens include them. No
+               parameters.
 =============  =====================================================================
 
 Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the

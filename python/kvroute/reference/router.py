@@ -14,9 +14,11 @@ API (the contract the simulator and gateways code against):
 Decisions, in order: validate every argument; if no replica is live, healthy and not
 draining, RuntimeError. Expire the index(es) when they have a TTL (time-driven
 housekeeping). Match the prompt's block hashes against the index (hybrid: elementwise max
-with the speculative index). A session bound to a replica that is still eligible and not
-saturated keeps it; otherwise the policy chooses (over the eligible replicas, without
-the saturated bound one if any other is eligible). In approximate mode the prompt is then
+with the speculative index; ttft: then raised, per eligible replica, to the longest common
+leading-block run with any request on it before its first token, the pending cache). A
+session bound to a replica that is still eligible and not saturated keeps it; otherwise
+the policy chooses (over the eligible replicas, without the saturated bound one if any
+other is eligible). In approximate mode the prompt is then
 inserted under the chosen replica (hybrid: into the speculative index); only after that
 insert succeeded does anything else change: the rotation offset and random generator
 advance, the request is reserved on the replica (route-and-reserve), the session table
@@ -94,7 +96,8 @@ class Decision:
     """Where a request goes and why; `handle` is for prefill_done() and finish().
 
     replica/replica_id: the chosen replica. matched_blocks: leading blocks of the prompt
-    it holds; cached_tokens: min(matched_blocks * block_size, prompt_tokens).
+    it holds (ttft: or will hold once the requests queued there before it prefill);
+    cached_tokens: min(matched_blocks * block_size, prompt_tokens).
     reason: "session", "affinity", "load", "miss", "balance", "hash" or "overflow" (see
     kvroute.config). binding: "none" (no session), "new", "kept" or "rebound".
     stranded_blocks: on a rebind, the session's blocks left on its previous replica.
