@@ -232,6 +232,7 @@ void Router::release_pending(std::int64_t handle, Request& req) {
         if (list[i].handle == handle) {
             list[i] = list.back();
             list.pop_back();
+            --pending_count_;
             break;
         }
     }
@@ -562,7 +563,7 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
         for (std::size_t r = 0; r < match_.size() && r < spec_match_.size(); ++r)
             match_[r] = std::max(match_[r], spec_match_[r]);
     }
-    if (opt_.policy == Policy::TTFT) {
+    if (opt_.policy == Policy::TTFT && pending_count_ > 0) {
         // A prompt queued behind a request with the same leading blocks on the same FIFO
         // replica finds them cached when its own prefill starts: count them as matched.
         for (std::uint32_t r : eligible_) {
@@ -642,6 +643,7 @@ Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::
         std::vector<std::uint64_t>& kept = slot.first->second.hashes;
         kept.assign(hashes, hashes + pb);
         pending_[chosen].push_back(Pending{h, kept.data(), kept.size()});
+        ++pending_count_;
     }
     ReplicaLoad& l = loads_[chosen];
     queued_[chosen] += num_tokens - cached;

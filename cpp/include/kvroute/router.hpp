@@ -218,6 +218,7 @@ private:
     bool eligible_dirty_ = true;  // eligible_ is rebuilt only after a membership/flag change
     std::unordered_map<std::int64_t, Request> requests_;
     std::vector<std::vector<Pending>> pending_;  // per replica, ttft only
+    std::size_t pending_count_ = 0;              // entries in pending_: 0 skips the scan
     std::int64_t next_handle_ = 1;
     std::uint64_t rot_ = 0;
     std::uint64_t rng_;
