@@ -350,7 +350,7 @@ void register_router(py::module_& m) {
                  const std::optional<std::int64_t> h = handle_arg(handle, text);
                  now_arg(now);
                  if (!h) throw IndexError("unknown handle " + text);
-                 r.core->prefill_done(*h);  // O(1): keeps the GIL
+                 r.core->prefill_done(*h);  // short (O(1), plus the replica's queued ttft requests): keeps the GIL
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request produced its first token: its prompt moves from prefill to decode.")
@@ -360,7 +360,7 @@ void register_router(py::module_& m) {
                  const std::optional<std::int64_t> h = handle_arg(handle, text);
                  now_arg(now);
                  if (!h) throw IndexError("unknown handle " + text);
-                 r.core->finish(*h);  // O(1): keeps the GIL
+                 r.core->finish(*h);  // short (O(1), plus the replica's queued ttft requests): keeps the GIL
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request ended (completed, failed or cancelled): release its load.");
