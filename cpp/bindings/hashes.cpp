@@ -5,22 +5,12 @@
 #include <string_view>
 
 #include "kvroute/errors.hpp"
+#include "pyargs.hpp"
 
 namespace py = pybind11;
 
 namespace kvroute::bindings {
 namespace {
-
-std::string type_name(py::handle obj) {
-    return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
-}
-
-bool is_bool(py::handle obj) {
-    if (PyBool_Check(obj.ptr())) return true;
-    // Looked up once and kept for the life of the process (never released at exit).
-    static PyObject* numpy_bool = py::object(py::module_::import("numpy").attr("bool_")).release().ptr();
-    return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
-}
 
 /// The value of a Python int in [-2**63, 2**64), bit-cast to uint64; false if outside.
 bool int_to_hash(PyObject* index, std::uint64_t& out) {
@@ -36,21 +26,6 @@ bool int_to_hash(PyObject* index, std::uint64_t& out) {
     if (overflow != 0) return false;
     out = static_cast<std::uint64_t>(s);
     return true;
-}
-
-/// operator.index(obj) unless obj is a bool or has no __index__ (then an empty object).
-py::object as_index(py::handle obj) {
-    if (PyLong_CheckExact(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
-    if (is_bool(obj)) return py::object();
-    PyObject* index = PyNumber_Index(obj.ptr());
-    if (index == nullptr) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            return py::object();
-        }
-        throw py::error_already_set();
-    }
-    return py::reinterpret_steal<py::object>(index);
 }
 
 }  // namespace

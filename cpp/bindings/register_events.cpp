@@ -13,6 +13,7 @@
 #include "kvroute/errors.hpp"
 #include "kvroute/events.hpp"
 #include "kvroute/prefix_index.hpp"
+#include "pyargs.hpp"
 #include "register.hpp"
 #include "tokens.hpp"
 
@@ -20,17 +21,6 @@ namespace py = pybind11;
 
 namespace kvroute::bindings {
 namespace {
-
-std::string type_name(py::handle obj) {
-    return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
-}
-
-bool is_bool(py::handle obj) {
-    if (PyBool_Check(obj.ptr())) return true;
-    // Looked up once and kept for the life of the process (never released at exit).
-    static PyObject* numpy_bool = py::object(py::module_::import("numpy").attr("bool_")).release().ptr();
-    return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
-}
 
 /// A live replica id of the applier's index, with the index's own errors.
 std::int64_t replica_arg(const EventApplier& a, py::handle obj) {

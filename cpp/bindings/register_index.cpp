@@ -13,38 +13,13 @@
 #include "hashes.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/prefix_index.hpp"
+#include "pyargs.hpp"
 #include "register.hpp"
 
 namespace py = pybind11;
 
 namespace kvroute::bindings {
 namespace {
-
-std::string type_name(py::handle obj) {
-    return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
-}
-
-bool is_bool(py::handle obj) {
-    if (PyBool_Check(obj.ptr())) return true;
-    // Looked up once and kept for the life of the process (never released at exit).
-    static PyObject* numpy_bool = py::object(py::module_::import("numpy").attr("bool_")).release().ptr();
-    return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
-}
-
-/// operator.index(obj), or an empty object for bools and objects without __index__.
-py::object as_index(py::handle obj) {
-    if (PyLong_CheckExact(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
-    if (is_bool(obj)) return py::object();
-    PyObject* index = PyNumber_Index(obj.ptr());
-    if (index == nullptr) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            return py::object();
-        }
-        throw py::error_already_set();
-    }
-    return py::reinterpret_steal<py::object>(index);
-}
 
 /// A validated, live replica id (the reference checks it before anything else).
 std::int64_t replica_arg(const PrefixIndex& ix, py::handle obj) {

@@ -13,6 +13,7 @@
 #include "kvroute/errors.hpp"
 #include "kvroute/prefix_index.hpp"
 #include "kvroute/router.hpp"
+#include "pyargs.hpp"
 #include "register.hpp"
 #include "tokens.hpp"
 
@@ -21,26 +22,18 @@ namespace py = pybind11;
 namespace kvroute::bindings {
 namespace {
 
-std::string type_name(py::handle h) {
-    return py::str(py::type::handle_of(h).attr("__name__")).cast<std::string>();
-}
-
 // numpy's scalar types, looked up once. Leaked on purpose: a static py::object would be
 // released after the interpreter is finalized, which crashes at exit.
 struct NumpyTypes {
-    py::object bool_, integer, floating;
+    py::object integer, floating;
 };
 
 const NumpyTypes& numpy_types() {
     static const NumpyTypes* types = [] {
         py::module_ np = py::module_::import("numpy");
-        return new NumpyTypes{np.attr("bool_"), np.attr("integer"), np.attr("floating")};
+        return new NumpyTypes{np.attr("integer"), np.attr("floating")};
     }();
     return *types;
-}
-
-bool is_bool(py::handle h) {
-    return PyBool_Check(h.ptr()) || py::isinstance(h, numpy_types().bool_);
 }
 
 std::string name_arg(py::handle h) {

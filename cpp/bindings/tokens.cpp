@@ -7,35 +7,12 @@
 
 #include "kvroute/errors.hpp"
 #include "kvroute/hash.hpp"
+#include "pyargs.hpp"
 
 namespace py = pybind11;
 
 namespace kvroute::bindings {
 namespace {
-
-std::string type_name(py::handle obj) {
-    return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
-}
-
-bool is_bool(py::handle obj) {
-    if (PyBool_Check(obj.ptr())) return true;
-    // Looked up once and kept for the life of the process (never released at exit).
-    static PyObject* numpy_bool = py::object(py::module_::import("numpy").attr("bool_")).release().ptr();
-    return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
-}
-
-/// operator.index(obj), or an empty object when obj has no __index__ (TypeError cleared).
-py::object as_index(py::handle obj) {
-    PyObject* index = PyNumber_Index(obj.ptr());
-    if (index == nullptr) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_Clear();
-            return py::object();
-        }
-        throw py::error_already_set();
-    }
-    return py::reinterpret_steal<py::object>(index);
-}
 
 /// The int's value when it lies in [lo, hi], else false; `index` must be a Python int.
 bool int_in_range(py::handle index, long long lo, long long hi, long long& value) {
