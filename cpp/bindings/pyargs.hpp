@@ -22,6 +22,18 @@ inline bool is_bool(pybind11::handle obj) {
     return PyObject_IsInstance(obj.ptr(), numpy_bool) == 1;
 }
 
+/// True for int, float, numpy.integer and numpy.floating (bool included: callers that refuse
+/// bools test is_bool first).
+inline bool is_number(pybind11::handle obj) {
+    if (PyLong_Check(obj.ptr()) || PyFloat_Check(obj.ptr())) return true;
+    // Leaked for the same reason as numpy_bool above.
+    static PyObject* numpy_numbers = [] {
+        pybind11::module_ np = pybind11::module_::import("numpy");
+        return pybind11::make_tuple(np.attr("integer"), np.attr("floating")).release().ptr();
+    }();
+    return PyObject_IsInstance(obj.ptr(), numpy_numbers) == 1;
+}
+
 /// operator.index(obj) unless obj is a bool or has no __index__ (then an empty object).
 inline pybind11::object as_index(pybind11::handle obj) {
     if (PyLong_CheckExact(obj.ptr())) return pybind11::reinterpret_borrow<pybind11::object>(obj);

@@ -43,14 +43,7 @@ double now_arg(py::handle obj) {
         if (!std::isfinite(v)) throw ValueError("now must be finite, got " + py::repr(obj).cast<std::string>());
         return v;
     }
-    static PyObject* numbers = [] {
-        py::module_ np = py::module_::import("numpy");
-        return py::make_tuple(py::type::of(py::int_()), py::type::of(py::float_()), np.attr("integer"),
-                              np.attr("floating"))
-            .release()
-            .ptr();
-    }();
-    if (is_bool(obj) || PyObject_IsInstance(obj.ptr(), numbers) != 1)
+    if (is_bool(obj) || !is_number(obj))
         throw TypeError("now must be a number or None, got " + type_name(obj));
     const double v = PyFloat_AsDouble(obj.ptr());
     if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();
@@ -80,14 +73,7 @@ std::shared_ptr<PrefixIndex> make_index(py::handle num_replicas, py::handle capa
     }
     std::optional<double> t;
     if (!ttl.is_none()) {
-        static PyObject* numbers = [] {
-            py::module_ np = py::module_::import("numpy");
-            return py::make_tuple(py::type::of(py::int_()), py::type::of(py::float_()), np.attr("integer"),
-                                  np.attr("floating"))
-                .release()
-                .ptr();
-        }();
-        if (is_bool(ttl) || PyObject_IsInstance(ttl.ptr(), numbers) != 1)
+        if (is_bool(ttl) || !is_number(ttl))
             throw TypeError("ttl must be a number or None, got " + type_name(ttl));
         const double v = PyFloat_AsDouble(ttl.ptr());
         if (v == -1.0 && PyErr_Occurred()) throw py::error_already_set();

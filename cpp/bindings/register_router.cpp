@@ -22,20 +22,6 @@ namespace py = pybind11;
 namespace kvroute::bindings {
 namespace {
 
-// numpy's scalar types, looked up once. Leaked on purpose: a static py::object would be
-// released after the interpreter is finalized, which crashes at exit.
-struct NumpyTypes {
-    py::object integer, floating;
-};
-
-const NumpyTypes& numpy_types() {
-    static const NumpyTypes* types = [] {
-        py::module_ np = py::module_::import("numpy");
-        return new NumpyTypes{np.attr("integer"), np.attr("floating")};
-    }();
-    return *types;
-}
-
 std::string name_arg(py::handle h) {
     if (!PyUnicode_Check(h.ptr())) throw TypeError("replica name must be a str, got " + type_name(h));
     return h.cast<std::string>();
@@ -65,11 +51,6 @@ std::int64_t count_arg(const char* what, py::handle h) {
     if (overflow != 0 || raw < 0)
         throw ValueError(std::string(what) + " must be in [0, 2**63), got " + py::str(v).cast<std::string>());
     return raw;
-}
-
-bool is_number(py::handle h) {
-    return PyLong_Check(h.ptr()) || PyFloat_Check(h.ptr()) || py::isinstance(h, numpy_types().integer) ||
-           py::isinstance(h, numpy_types().floating);
 }
 
 // The reference index's _now: None, or a finite int/float/numpy number.
