@@ -440,9 +440,15 @@ struct PrefixIndex::Impl {
         if (x.cap > 1 && std::uint64_t{x.skip} + want <= x.cap) return;
         std::uint32_t cap = want;
         if (x.cap > 1) cap = std::max(want, x.len + x.len / 2);
+        move_run(n, cap, 0);
+    }
+    /// Moves n's run into fresh heap storage of `cap` hashes, starting at offset `at`, and
+    /// releases the old storage (inline storage, cap <= 1, has nothing to release).
+    void move_run(std::uint32_t n, std::uint32_t cap, std::uint32_t at) {
+        Node& x = nodes[n];
         auto* p = static_cast<std::uint64_t*>(std::malloc(std::size_t{cap} * sizeof(std::uint64_t)));
         if (!p) throw std::bad_alloc();
-        std::memcpy(p, run(n), std::size_t{x.len} * sizeof(std::uint64_t));
+        std::memcpy(p + at, run(n), std::size_t{x.len} * sizeof(std::uint64_t));
         if (x.cap > 1) {
             std::free(x.run.ptr);
             run_bytes -= std::uint64_t{x.cap} * sizeof(std::uint64_t);
@@ -610,17 +616,7 @@ struct PrefixIndex::Impl {
             std::memmove(cn.run.ptr + pl, cn.run.ptr + cn.skip, std::size_t{cl} * sizeof(std::uint64_t));
             cn.skip = 0;
         } else {
-            auto* np = static_cast<std::uint64_t*>(std::malloc(std::size_t{total} * sizeof(std::uint64_t)));
-            if (!np) throw std::bad_alloc();
-            std::memcpy(np + pl, run(c), std::size_t{cl} * sizeof(std::uint64_t));
-            if (cn.cap > 1) {
-                std::free(cn.run.ptr);
-                run_bytes -= std::uint64_t{cn.cap} * sizeof(std::uint64_t);
-            }
-            cn.run.ptr = np;
-            cn.cap = total;
-            cn.skip = 0;
-            run_bytes += std::uint64_t{total} * sizeof(std::uint64_t);
+            move_run(c, total, pl);  // room for p's run in front
         }
         std::memcpy(run(c), run(p), std::size_t{pl} * sizeof(std::uint64_t));
         nodes[c].len = total;
