@@ -287,6 +287,7 @@ struct EventApplier::Impl {
         const std::uint64_t pred = cs.seed;
         const bool bounded = index->capacity().has_value();
         chain.clear();
+        bool all_counted = true;  // every router block of the chain is counted in this group
         std::size_t mm_next = 0;
         for (std::size_t j = 0; j < n; ++j) {
             bool inserted = false;
@@ -309,10 +310,13 @@ struct EventApplier::Impl {
                 if (!held) hold(g, *e, t);
                 ++c.stored_blocks;
             }
+            all_counted = all_counted && e->first_counted(t);
             for (std::uint32_t q = 0; q < e->n_kv; ++q) chain.push_back(e->kv(q));
             cs.load(*e);
         }
-        index_chain(r, st, t, has_pred, pred, now);
+        // One group that counts every block of the chain: all of it is indexable, no lookups.
+        const bool whole = all_counted && (st.group_mask & (st.group_mask - 1)) == 0;
+        index_chain(r, st, t, has_pred, pred, now, whole);
         bound(r, st, g);
     }
 
@@ -411,10 +415,17 @@ struct EventApplier::Impl {
     }
 
     /// Hands the index the chain's blocks this replica now holds in every group, in runs.
-    void index_chain(std::int64_t r, const ReplicaState& st, int t, bool has_pred, std::uint64_t pred, double now) {
+    void index_chain(std::int64_t r, const ReplicaState& st, int t, bool has_pred, std::uint64_t pred, double now,
+                     bool whole) {
         PrefixIndex* target = t == 0 ? index.get() : tier.get();
         if (!target || chain.empty()) return;
         grow(*target, r);
+        if (whole) {
+            run.swap(chain);
+            insert(*target, r, has_pred, pred, now);
+            run.swap(chain);
+            return;
+        }
         run.clear();
         bool run_has = has_pred, last_has = has_pred;
         std::uint64_t run_pred = pred, last = pred;
