@@ -124,6 +124,7 @@ class Follower:
         self._held: dict[int, bytes] = {}
         self._heap: list[int] = []  # -seq of held batches (lazy: may hold released ones)
         self.buffered_bytes = 0
+        self.peak_buffered_bytes = 0
         self._echo: dict[int, int] = {}  # replayed numbers above the live stream -> digest
         self._round: _Round | None = None
         self._attempts = 0
@@ -331,6 +332,7 @@ class Follower:
         self._held[seq] = payload
         heapq.heappush(self._heap, -seq)
         self.buffered_bytes += size
+        self.peak_buffered_bytes = max(self.peak_buffered_bytes, self.buffered_bytes)
 
     def _top(self) -> int:
         while -self._heap[0] not in self._held:
@@ -352,5 +354,6 @@ class Follower:
         """Counters and state as plain values."""
         out: dict[str, Any] = dataclasses.asdict(self.c)
         out.update(last_seq=self.last_seq, replaying=self.replaying,
-                   buffered_bytes=self.buffered_bytes, buffered_batches=len(self._held))
+                   buffered_bytes=self.buffered_bytes, buffered_batches=len(self._held),
+                   peak_buffered_bytes=self.peak_buffered_bytes)
         return out

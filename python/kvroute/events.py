@@ -293,6 +293,7 @@ class Subscriber:
         missing and were asked again), replay_timeouts, probes, probe_recoveries (probes
         that found lost batches), restarts, resyncs (the replica cleared because history
         was lost), duplicates, buffer_drops, buffered_bytes / buffered_batches (held now),
+        peak_buffered_bytes (the most ever held),
         replaying, malformed, bad_frames, errors and last_exception (exceptions raised
         while applying, e.g. for a removed replica id), skipped (events the applier skipped
         on it, by kind, where the applier reports them; else None), endpoint. Totals of the
