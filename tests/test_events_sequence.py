@@ -101,6 +101,32 @@ def test_restart_whose_numbers_pass_the_old_ones(pubs):
         assert delta(sub, 0, base)["resyncs"] == 0
 
 
+@pytest.mark.parametrize("bind", [False, True])
+def test_restart_whose_first_arriving_number_is_the_next_one(pubs, bind):
+    """The new process's first batch to arrive carries exactly the number expected next.
+    Numbers cannot tell; the new connection can: it is probed from the last applied
+    number, whose bytes differ. Both ways round: the engine binds, or connects to us."""
+    idx, applier = new_applier()
+    pub = pubs(replay="new")
+    src = Source(0, "tcp://127.0.0.1:*" if bind else pub.endpoint, pub.replay_endpoint, bind=bind)
+    with Subscriber(applier, [src], probe_interval=None) as sub:
+        if bind:
+            pub.attach(sub.endpoints[0])
+        eng = engine()
+        warm_up(pub, sub, 0)
+        last = send(pub, sub, 0, eng.serve(prompt(0)))
+        base = status(sub)
+        pub.restart(rebind=True)
+        eng = engine()
+        for i in range(last + 1):
+            pub.publish(batch(eng.serve(prompt(10 + i, 32))), send=False)
+        assert wait_until(lambda: status(sub)["reconnects"] > base["reconnects"])
+        seq = pub.publish(batch(eng.serve(prompt(9))))
+        assert seq == last + 1
+        settle(sub, 0, seq, restarts=base["restarts"] + 1)
+        assert idx.held(0).tolist() == eng.truth()
+
+
 def test_restart_with_every_batch_lost_is_found_by_the_probe(pubs):
     """Nothing of the new process arrives and it goes quiet: the tail probe asks from the
     last applied number, the ring has nothing that far, so the numbers went back."""

@@ -41,6 +41,8 @@ class Publisher:
 
     def __init__(self, ctx, *, topic="", replay="new", buffer_steps=1000, connect=None,
                  window=None, endless=False):
+        self.ctx = ctx
+        self.connect = connect
         self.topic = topic.encode()
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -80,11 +82,39 @@ class Publisher:
             self.pub.send_multipart(frames or [self.topic, seq.to_bytes(8, "big"), payload])
         return seq
 
-    def restart(self):
-        """The engine process restarts: numbers from 0, nothing to replay."""
+    def attach(self, endpoint):
+        """Connect the PUB to a subscriber that binds `endpoint` (instead of binding)."""
+        self.pub.close(0)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.connect(endpoint)
+        self.connect = self.endpoint = endpoint
+
+    def restart(self, *, rebind=False):
+        """The engine process restarts: numbers from 0, nothing to replay. With rebind=True
+        its sockets are closed and bound again on the same ports, as a new process does (the
+        subscriber then sees a new connection, and loses what is sent before it is made)."""
         with self.lock:
             self.seq = 0
             self.ring.clear()
+        if not rebind:
+            return
+        if self._thread:
+            self._stop.set()
+            self._thread.join(5)
+            self.router.close(0)
+        self.pub.close(0)
+        if self.connect:
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.connect(self.connect)
+        else:
+            self.pub = _bound(self.ctx, zmq.PUB, self.endpoint)
+        if self._thread:
+            self.router = _bound(self.ctx, zmq.ROUTER, self.replay_endpoint)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
 
     def _serve(self):
         while not self._stop.is_set():
@@ -132,6 +162,22 @@ class Publisher:
             self._thread.join(5)
             self.router.close(0)
         self.pub.close(0)
+
+
+def _bound(ctx, kind, endpoint):
+    """A socket bound to `endpoint`, retried while the closed one still holds the port."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.bind(endpoint)
+            return s
+        except zmq.ZMQError:
+            s.close(0)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 @pytest.fixture

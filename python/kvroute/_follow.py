@@ -31,7 +31,9 @@ requested number on, then an end marker, and may lose replies to its send high-w
   first, since they can be asked again later.
 - A publisher silent for `probe_interval` seconds (a replay endpoint known, no replay in
   flight) is probed with a replay from its last number, which recovers batches lost at the
-  end of a burst (tail loss) and notices a restart whose batches were all lost.
+  end of a burst (tail loss) and notices a restart whose batches were all lost. A new PUB
+  connection (the driver watches the socket's connects) is probed at once, which notices a
+  restarted process even when its first batch to arrive carries the number expected next.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Counters:
     restarts: int = 0
     duplicates: int = 0
     buffer_drops: int = 0
+    reconnects: int = 0
 
 
 @dataclasses.dataclass
@@ -129,6 +132,7 @@ class Follower:
         self._round: _Round | None = None
         self._attempts = 0
         self._heard = now
+        self._verify = False  # probe as soon as no replay is in flight
 
     @property
     def replaying(self) -> bool:
@@ -198,6 +202,15 @@ class Follower:
             return
         self._round_over(r, now)
 
+    def on_reconnect(self, now: float) -> None:
+        """The PUB connection was made again: the publisher may be a new process, whose
+        first batch may even carry the number we expect next. Probe from our last number
+        (its bytes tell) before anything else is asked."""
+        self.c.reconnects += 1
+        if self._replay:
+            self._verify = True
+            self.tick(now)
+
     def tick(self, now: float) -> None:
         """Timers: a replay idle or running too long ends; a silent publisher is probed."""
         r = self._round
@@ -205,7 +218,9 @@ class Follower:
             if now - r.active >= self._idle or now - r.started >= self._max_seconds:
                 self.c.replay_timeouts += 1
                 self._round_over(r, now)
-        elif self._replay and self._probe is not None and now - self._heard >= self._probe:
+        elif self._replay and (self._verify or (self._probe is not None
+                                                 and now - self._heard >= self._probe)):
+            self._verify = False
             self._start(now, probe=True)
 
     def next_deadline(self) -> float | None:
@@ -213,6 +228,8 @@ class Follower:
         r = self._round
         if r is not None:
             return min(r.active + self._idle, r.started + self._max_seconds)
+        if self._replay and self._verify:
+            return 0.0  # due now
         if self._replay and self._probe is not None:
             return self._heard + self._probe
         return None

@@ -92,6 +92,7 @@ class _Track:
             replay_max_seconds=sub._replay_max_seconds, probe_interval=sub._probe_interval,
             now=now)
         self.dealer: Any = None
+        self.connects = 0
         self.last_ts: float | None = None
         self.malformed = 0
         self.bad_frames = 0
@@ -235,7 +236,7 @@ class Subscriber:
         self._endpoints: dict[int, str] = {}
         self._ctx: Any = None
         self._poller: Any = None
-        self._socks: dict[Any, tuple[bool, _Track]] = {}  # socket -> (is_replay, track)
+        self._socks: dict[Any, tuple[str, _Track]] = {}  # socket -> (kind, track)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -294,7 +295,8 @@ class Subscriber:
         that found lost batches), restarts, resyncs (the replica cleared because history
         was lost), duplicates, buffer_drops, buffered_bytes / buffered_batches (held now),
         peak_buffered_bytes (the most ever held),
-        replaying, malformed, bad_frames, errors and last_exception (exceptions raised
+        replaying, reconnects (new PUB connections after the first; each is probed),
+        malformed, bad_frames, errors and last_exception (exceptions raised
         while applying, e.g. for a removed replica id), skipped (events the applier skipped
         on it, by kind, where the applier reports them; else None), endpoint. Totals of the
         main counters at the top level, the applier's stats() under "applier"."""
@@ -328,7 +330,7 @@ class Subscriber:
     def _open(self, sock: Any, track: _Track) -> None:
         import zmq
 
-        self._socks[sock] = (True, track)
+        self._socks[sock] = ("replay", track)
         self._poller.register(sock, zmq.POLLIN)
 
     def _close(self, sock: Any) -> None:
@@ -339,8 +341,12 @@ class Subscriber:
     def _bind_all(self, zmq: Any) -> None:
         for t in self._tracks.values():
             s = self._ctx.socket(zmq.SUB)
-            self._socks[s] = (False, t)  # registered first so that `finally` closes it if bind fails
+            self._socks[s] = ("live", t)  # registered first so that `finally` closes it if bind fails
             s.setsockopt(zmq.LINGER, 0)
+            # Connections made (engine PUB bound) or accepted (engine connects): after the
+            # first, each one may be a restarted engine.
+            mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+            self._socks[mon] = ("monitor", t)
             s.setsockopt(zmq.SUBSCRIBE, t.source.topic.encode("utf-8"))
             if t.source.bind:
                 s.bind(t.source.endpoint)
@@ -367,7 +373,10 @@ class Subscriber:
             for s in self._socks:
                 self._poller.register(s, zmq.POLLIN)
             while not self._stop.is_set():
-                for s, _ in self._poller.poll(self._wait_ms()):
+                ready = [s for s, _ in self._poller.poll(self._wait_ms())]
+                # Connection news first: it precedes every message on the new connection.
+                ready.sort(key=lambda s: self._socks.get(s, ("",))[0] != "monitor")
+                for s in ready:
                     self._serve(s, zmq)
                 now = time.monotonic()
                 with self._cond:
@@ -375,6 +384,9 @@ class Subscriber:
                         self._guard(t, t.follower.tick, now)
                     self._cond.notify_all()
         finally:
+            for s, (kind, _) in list(self._socks.items()):
+                if kind == "live":
+                    s.disable_monitor()
             for s in list(self._socks):
                 s.close(0)
             self._socks.clear()
@@ -398,12 +410,14 @@ class Subscriber:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            is_replay, t = entry
+            kind, t = entry
             with self._cond:
-                if is_replay:
+                if kind == "replay":
                     self._on_reply(t, frames)
-                else:
+                elif kind == "live":
                     self._on_live(t, frames)
+                else:
+                    self._on_monitor(t, frames)
                 self._cond.notify_all()
 
     def _on_live(self, t: _Track, frames: list[bytes]) -> None:
@@ -411,6 +425,11 @@ class Subscriber:
             t.bad_frames += 1
             return
         self._guard(t, t.follower.on_live, int.from_bytes(frames[1], "big"), frames[2], time.monotonic())
+
+    def _on_monitor(self, t: _Track, frames: list[bytes]) -> None:
+        t.connects += 1
+        if t.connects > 1:
+            self._guard(t, t.follower.on_reconnect, time.monotonic())
 
     def _on_reply(self, t: _Track, frames: list[bytes]) -> None:
         got = _reply(frames)
