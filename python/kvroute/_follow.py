@@ -24,8 +24,9 @@ requested number on, then an end marker, and may lose replies to its send high-w
   messages drain behind it; a reply beyond a hole is held. When the round ends (end
   marker, idle timeout or total time limit) with numbers still missing, it is asked again
   from the first missing one. The replica is cleared only when the ring no longer holds
-  that number (its first reply is later), or after `max_attempts` rounds in a row that
-  applied nothing; it is then followed from the newest contiguous batches held.
+  the anchor or the first missing number (its first reply is later), or after
+  `max_attempts` rounds in a row that applied nothing; it is then followed from the ring's
+  first batch, or from the newest contiguous batches held.
 - Held batches (live messages during a replay, replies beyond a hole) are capped at
   `max_buffer_bytes` (payload bytes + 64 per batch): the highest numbers are dropped
   first, since they can be asked again later.
@@ -178,8 +179,9 @@ class Follower:
                     self._restart()  # same number, other bytes: another process
                     self._start(now, probe=False)
                 return
-            if seq > self.last_seq + 1:
-                # The ring no longer holds what is missing: what came before is lost.
+            if r.anchor is not None or seq > self.last_seq + 1:
+                # The ring no longer holds our last number (so nothing tells whether this is
+                # still the same process) or what is missing: what came before is lost.
                 self._resync(seq - 1)
         self._seen_max = max(self._seen_max, seq)
         if seq == self.last_seq + 1:
