@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .args import check_text
 from .hashing import check_block_size, salt_bytes, tokens_as_uint32
 from .index import PrefixIndex, as_hash, as_hashes
 
@@ -447,6 +448,8 @@ class EventApplier:
             tokens = tokens_as_uint32(token_ids)
             if medium is not None and not isinstance(medium, str):
                 raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+            if medium is not None:
+                check_text(medium, "medium")
             if block_size is not None:
                 size = check_block_size(block_size)
             elif hs and len(tokens) and len(tokens) % len(hs) == 0:
@@ -473,6 +476,8 @@ class EventApplier:
             hs = as_hashes(block_hashes, "block_hashes").tolist()
             if medium is not None and not isinstance(medium, str):
                 raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+            if medium is not None:
+                check_text(medium, "medium")
             st = self._state(r)
             if st.unusable is not None:
                 return 0
