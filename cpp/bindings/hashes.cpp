@@ -98,8 +98,11 @@ HashView as_hashes(py::handle hashes, const char* name) {
         view.size_ = view.owned_.size();
         return view;
     } else {
-        if (is_array_array(hashes)) check_array_typecode(hashes, name);
         py::object mv = int_buffer(hashes);
+        if (!mv || int_format_kind(PyMemoryView_GET_BUFFER(mv.ptr())->format) == 0) {
+            // Not a plain integer buffer: an array.array says which typecode it has.
+            if (is_array_array(hashes)) check_array_typecode(hashes, name);
+        }
         if (!mv) {
             throw TypeError(std::string(name) +
                             " must be a 1-D integer numpy array, a list or tuple of ints, or an array.array, got " +

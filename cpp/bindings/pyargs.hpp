@@ -113,12 +113,10 @@ inline pybind11::object int_buffer(pybind11::handle obj) {
     PyObject* p = obj.ptr();
     if (!PyObject_CheckBuffer(p) || PyUnicode_Check(p) || PyBytes_Check(p) || PyByteArray_Check(p))
         return pybind11::object();
-    static PyObject* numpy_generic =
-        pybind11::object(pybind11::module_::import("numpy").attr("generic")).release().ptr();
-    if (PyObject_IsInstance(p, numpy_generic) == 1) return pybind11::object();
     PyObject* view = PyMemoryView_FromObject(p);
     if (view == nullptr) throw pybind11::error_already_set();
     auto held = pybind11::reinterpret_steal<pybind11::object>(view);
+    // A numpy scalar exports a 0-D buffer: one value, not an array.
     if (PyMemoryView_GET_BUFFER(view)->ndim == 0) return pybind11::object();
     return held;
 }

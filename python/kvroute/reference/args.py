@@ -51,10 +51,11 @@ def int_buffer(value: Any) -> np.ndarray | None:
     bytes and bytearray stay refused: raw bytes passed where integers belong are almost
     always a mistake, and a memoryview.cast("Q") says what is meant.
     """
-    if isinstance(value, (str, bytes, bytearray, np.generic)):
-        return None  # a numpy scalar exports a 0-D buffer, but it is one value, not an array
+    if isinstance(value, (str, bytes, bytearray)):
+        return None
     try:
         view = memoryview(value)
     except TypeError:
         return None
+    # A numpy scalar exports a 0-D buffer: one value, not an array.
     return np.asarray(view) if view.ndim else None
