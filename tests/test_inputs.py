@@ -317,3 +317,14 @@ def test_token_buffers_are_accepted(impl):
         "raise",
         ("ValueError", "token -2 at index 1 is out of range [0, 2**32)"),
     )
+
+
+def test_lone_surrogate_request_keys():
+    cases = [
+        (dict(lora="ad\ud800"), "lora must be encodable as UTF-8, got a lone surrogate at index 2"),
+        (dict(cache_salt="\udc00s"), "cache_salt must be encodable as UTF-8, got a lone surrogate at index 0"),
+        (dict(mm=[("img", 0, 4), ("x\ud800", 16, 4)]),
+         "mm[1] identifier must be encodable as UTF-8, got a lone surrogate at index 1"),
+    ]
+    for keys, message in cases:
+        assert same(lambda M: M.block_hashes(TOKENS, 16, **keys)) == ("raise", ("ValueError", message))
