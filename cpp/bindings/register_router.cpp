@@ -24,7 +24,7 @@ namespace {
 
 std::string name_arg(py::handle h) {
     if (!PyUnicode_Check(h.ptr())) throw TypeError("replica name must be a str, got " + type_name(h));
-    return h.cast<std::string>();
+    return utf8_arg(h, "replica name");
 }
 
 bool flag_arg(const char* what, py::handle h) {
@@ -65,7 +65,7 @@ std::optional<double> now_arg(py::handle h) {
 std::optional<std::string> session_arg(py::handle h) {
     if (h.is_none()) return std::nullopt;
     if (!PyUnicode_Check(h.ptr())) throw TypeError("session must be a str or None, got " + type_name(h));
-    return h.cast<std::string>();
+    return utf8_arg(h, "session");
 }
 
 // A handle; nullopt when it is an int no int64 holds (never issued, so IndexError later).

@@ -51,6 +51,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .args import check_text
 from .hashing import block_hashes, tokens_as_uint32
 from .index import PrefixIndex, _now, as_hashes
 
@@ -157,7 +158,7 @@ def _config(config: Any) -> Any:
 def _name(name: Any) -> str:
     if not isinstance(name, str):
         raise TypeError(f"replica name must be a str, got {type(name).__name__}")
-    return name
+    return check_text(name, "replica name")
 
 
 def _flag(what: str, value: Any) -> bool:
@@ -483,6 +484,8 @@ class Router:
     def _route(self, hashes: np.ndarray, num_tokens: int, session: Any, now: Any) -> Decision:
         if session is not None and not isinstance(session, str):
             raise TypeError(f"session must be a str or None, got {type(session).__name__}")
+        if session is not None:
+            check_text(session, "session")
         t = time.monotonic() if now is None else _now(now)
         with self._lock:
             eligible = [
