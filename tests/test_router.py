@@ -48,7 +48,12 @@ def make(impl, names=("a", "b", "c", "d"), **kw):
 
 def test_config_defaults_and_params():
     cfg = RouterConfig(policy="sglang", params={"cache_threshold": 0.5})
-    assert cfg.params == {"cache_threshold": 0.5, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5}
+    assert cfg.params == {
+        "cache_threshold": 0.5,
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
+        "min_match_tokens": 64,
+    }
     assert RouterConfig().policy == "ttft"
     assert RouterConfig(policy="sticky").params == {"vnodes": 64, "bound": None}
 
@@ -129,7 +134,7 @@ def test_misuse_is_clear_and_changes_nothing(impl):
         (lambda: r.route(prompt(2), session=5), TypeError, "session must be a str or None, got int"),
         (lambda: r.route([1, -2]), ValueError, "token -2 at index 1 is out of range [0, 2**32)"),
         (lambda: r.route(prompt(2), now=math.inf), ValueError, "now must be finite, got inf"),
-        (lambda: r.route_hashes([1, 2], -5), ValueError, "num_tokens must be in [0, 2**63), got -5"),
+        (lambda: r.route_hashes([1, 2], -5), ValueError, "num_tokens must be in [0, 2**32), got -5"),
         (lambda: r.route_hashes([1, 2], 2.0), TypeError, "num_tokens must be an int, got float"),
         (lambda: r.route_hashes("ab", 2), TypeError, "hashes must be a 1-D integer numpy array"),
     ]

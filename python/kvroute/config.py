@@ -73,10 +73,14 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, NoReturn
 
 from .reference.hashing import MAX_BLOCK_SIZE, salt_bytes
+
+#: Default of every cache-aware policy's min_match_tokens (see the module docstring).
+MIN_MATCH_TOKENS = 64
 
 #: policy -> {parameter: default}. A parameter with default None is optional.
 POLICY_PARAMS: dict[str, dict[str, Any]] = {
@@ -85,12 +89,17 @@ POLICY_PARAMS: dict[str, dict[str, Any]] = {
     "least_loaded": {},
     "power_of_two": {},
     "sticky": {"vnodes": 64, "bound": None},
-    "linear": {"w_affinity": 1.0, "w_load": 1.0, "min_match_tokens": 64, "escape_factor": 1.5},
-    "sglang": {"cache_threshold": 0.3, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5},
-    "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0},
-    "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0},
-    "preble": {"decode_weight": 32.0},
-    "ttft": {},
+    "linear": {"w_affinity": 1.0, "w_load": 1.0, "min_match_tokens": MIN_MATCH_TOKENS, "escape_factor": 1.5},
+    "sglang": {
+        "cache_threshold": 0.3,
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
+        "min_match_tokens": MIN_MATCH_TOKENS,
+    },
+    "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0, "min_match_tokens": MIN_MATCH_TOKENS},
+    "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0, "min_match_tokens": MIN_MATCH_TOKENS},
+    "preble": {"decode_weight": 32.0, "min_match_tokens": MIN_MATCH_TOKENS},
+    "ttft": {"min_match_tokens": MIN_MATCH_TOKENS},
 }
 
 #: Integer parameters (the rest are floats).
@@ -98,6 +107,30 @@ _INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold"}
 
 MODES = ("approximate", "precise", "hybrid")
 MAX_VNODES = 4096
+#: Upper limit of max_session_bytes (1 TiB): far above any memory, far below int64.
+MAX_SESSION_BYTES = 1 << 40
+#: Largest engine_block_size add_replica() accepts (tokens).
+MAX_ENGINE_BLOCK_SIZE = 1 << 20
+
+
+class FrozenParams(dict):  # type: ignore[type-arg]
+    """RouterConfig.params: a dict that refuses every change (TypeError), so a Router never
+    sees parameters other than those validated at construction."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("RouterConfig.params is read-only; build a new RouterConfig to change it")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenParams, (dict(self),))
+
+    def __copy__(self) -> FrozenParams:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> FrozenParams:
+        return self
 
 
 def _is_int(value: Any) -> bool:
@@ -179,6 +212,8 @@ class RouterConfig:
     speculative_ttl: float = 2.0
     session_ttl: float = 600.0
     max_sessions: int = 100_000
+    max_session_bytes: int = 16 << 20
+    request_ttl: float = 3600.0
     seed: int = 0
     prefill_rate: float = 10_000.0
     session_saturation: float = 2.0
@@ -190,7 +225,7 @@ class RouterConfig:
             raise ValueError(
                 f"unknown policy {self.policy!r}; expected one of {', '.join(POLICY_PARAMS)}"
             )
-        if not isinstance(self.params, dict):
+        if not isinstance(self.params, Mapping):
             raise TypeError(f"params must be a dict, got {type(self.params).__name__}")
         defaults = POLICY_PARAMS[self.policy]
         resolved = dict(defaults)
@@ -204,7 +239,7 @@ class RouterConfig:
         for name, value in resolved.items():
             if value is not None and name not in _INT_PARAMS and name != "bound":
                 resolved[name] = float(value)
-        object.__setattr__(self, "params", resolved)
+        object.__setattr__(self, "params", FrozenParams(resolved))
         object.__setattr__(self, "block_size", _int("block_size", self.block_size, 1, MAX_BLOCK_SIZE))
         salt_bytes(self.salt)  # TypeError for anything but str, bytes-like or None
         if isinstance(self.salt, (bytearray, memoryview)):
@@ -220,6 +255,10 @@ class RouterConfig:
         object.__setattr__(self, "speculative_ttl", _float("speculative_ttl", self.speculative_ttl, strict=True))
         object.__setattr__(self, "session_ttl", _float("session_ttl", self.session_ttl, strict=True))
         object.__setattr__(self, "max_sessions", _int("max_sessions", self.max_sessions, 1))
+        object.__setattr__(
+            self, "max_session_bytes", _int("max_session_bytes", self.max_session_bytes, 1, MAX_SESSION_BYTES)
+        )
+        object.__setattr__(self, "request_ttl", _float("request_ttl", self.request_ttl, strict=True))
         object.__setattr__(self, "seed", _int("seed", self.seed, 0, (1 << 64) - 1))
         object.__setattr__(self, "prefill_rate", _float("prefill_rate", self.prefill_rate, strict=True))
         object.__setattr__(
@@ -229,3 +268,15 @@ class RouterConfig:
     def salt_bytes(self) -> bytes:
         """The salt as the bytes the hash chain's root is taken over."""
         return salt_bytes(self.salt)
+
+
+def validated(config: Any) -> RouterConfig:
+    """The RouterConfig a Router runs with: None -> the defaults; a RouterConfig (or any
+    subclass, also one whose __post_init__ skipped the checks) -> a plain RouterConfig
+    rebuilt from its fields, so RouterConfig's own checks hold whatever object was handed
+    in. Both Router implementations call this; TypeError for anything else."""
+    if config is None:
+        return RouterConfig()
+    if not isinstance(config, RouterConfig):
+        raise TypeError(f"config must be a RouterConfig or None, got {type(config).__name__}")
+    return RouterConfig(**{f.name: getattr(config, f.name) for f in fields(RouterConfig)})
