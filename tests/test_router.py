@@ -52,7 +52,7 @@ def test_config_defaults_and_params():
         "cache_threshold": 0.5,
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
-        "min_match_tokens": 64,
+        "min_match_tokens": 256,
     }
     assert RouterConfig().policy == "ttft"
     assert RouterConfig(policy="sticky").params == {"vnodes": 64, "bound": None}
@@ -185,7 +185,7 @@ def test_chain_conflict_changes_nothing(impl):
 
 
 def test_load_accounting_lifecycle(impl):
-    r = make(impl, ["a"], policy="ttft")
+    r = make(impl, ["a"], policy="ttft", params={"min_match_tokens": 0})  # 192 tokens count
     p = prompt(1, 200)  # 12 full blocks + 8 tokens
     d1 = r.route(p)
     assert (d1.matched_blocks, d1.cached_tokens, d1.prompt_tokens) == (0, 0, 200)
@@ -433,7 +433,7 @@ def test_session_ttl_and_lru(impl):
 
 
 def test_precise_mode_only_reads_the_index(impl):
-    r = make(impl, ["a", "b"], mode="precise")
+    r = make(impl, ["a", "b"], mode="precise", params={"min_match_tokens": 0})  # 160 tokens count
     p = prompt(1)
     assert r.route(p).matched_blocks == 0
     assert r.index.num_blocks == 0

@@ -182,7 +182,7 @@ def test_direct_index_ids_leave_routing_intact(impl, mode):
 
 
 def test_unfinished_requests_expire_after_request_ttl(impl):
-    r = make(impl, policy="ttft", mode="precise", request_ttl=10.0)
+    r = make(impl, policy="ttft", mode="precise", request_ttl=10.0, params={"min_match_tokens": 0})
     hashes = list(range(1, 11))
     leaked = r.route_hashes(hashes, 160, now=0.0)  # never finished
     assert r.route_hashes(hashes, 160, now=5.0).matched_blocks == 10  # pending twin counts
