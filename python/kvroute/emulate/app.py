@@ -43,7 +43,7 @@ async def _read_body(receive: Receive) -> bytes:
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY:
-            raise P.BadRequest(f"the request body exceeds {MAX_BODY} bytes", None, 413, "RequestTooLarge")
+            raise P.ApiError(f"the request body exceeds {MAX_BODY} bytes", None, 413, "RequestTooLarge")
         parts.append(chunk)
         if not msg.get("more_body"):
             return b"".join(parts)
@@ -81,7 +81,7 @@ class EmulatorApp:
                 {"detail": "Method Not Allowed" if status == 405 else "Not Found"}))
         try:
             await handler(scope, receive, send)
-        except P.BadRequest as exc:
+        except P.ApiError as exc:
             await _respond(send, exc.status, exc.body())
         except ConnectionResetError:
             pass
@@ -107,18 +107,18 @@ class EmulatorApp:
             messages = P.check_messages(obj)
             add_gen = obj.get("add_generation_prompt", True)
             if not isinstance(add_gen, bool):
-                raise P.BadRequest("add_generation_prompt must be a boolean", "add_generation_prompt")
+                raise P.ApiError("add_generation_prompt must be a boolean", "add_generation_prompt")
             try:
                 ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen, tools=obj.get("tools"))
             except (TypeError, ValueError) as exc:
-                raise P.BadRequest(f"messages: {exc}", "messages") from None
+                raise P.ApiError(f"messages: {exc}", "messages") from None
         else:
             prompt = obj.get("prompt")
             if not isinstance(prompt, str):
-                raise P.BadRequest("prompt must be a string (or give messages)", "prompt")
+                raise P.ApiError("prompt must be a string (or give messages)", "prompt")
             add_special = obj.get("add_special_tokens", True)
             if not isinstance(add_special, bool):
-                raise P.BadRequest("add_special_tokens must be a boolean", "add_special_tokens")
+                raise P.ApiError("add_special_tokens must be a boolean", "add_special_tokens")
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
         await _respond(send, 200, P.json_encode({"count": len(ids), "max_model_len": self.max_model_len,
                                                  "tokens": ids, "token_strs": None}))
@@ -139,9 +139,12 @@ class EmulatorApp:
             if name == b"x-request-id" and value:
                 req.request_id = value.decode("latin-1")
         if req.request_id in self.runner.streams:
-            raise P.BadRequest(f"request id {req.request_id!r} is already running", "X-Request-Id")
+            raise P.ApiError(f"request id {req.request_id!r} is already running", "X-Request-Id")
         runner = self.runner
-        stream = runner.submit(req.request_id, req.prompt_ids, req.max_tokens)
+        try:
+            stream = runner.submit(req.request_id, req.prompt_ids, req.max_tokens)
+        except RuntimeError as exc:
+            raise P.ApiError(str(exc), None, 500, "InternalServerError") from None
         # After the body, receive() returns only when the client goes (or the response ends).
         watch = asyncio.ensure_future(receive())
         watch.add_done_callback(lambda _: runner.abort(req.request_id))
@@ -164,6 +167,8 @@ class EmulatorApp:
         finish = "length"
         while True:
             outs = await stream.next()
+            if stream.error is not None:
+                raise P.ApiError(stream.error, None, 500, "InternalServerError")
             if stream.aborted and not outs:
                 return
             for out in outs:
@@ -181,6 +186,10 @@ class EmulatorApp:
         first = True
         while True:
             outs = await stream.next()
+            if stream.error is not None:
+                err = P.ApiError(stream.error, None, 500, "InternalServerError")
+                await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\n" + P.DONE})
+                return
             if stream.aborted and not outs:
                 return
             parts: list[bytes] = []

@@ -16,7 +16,7 @@ chat_completion/serving.py (protocol.py for the field names):
   hit at admission). vLLM adds it with `--enable-prompt-tokens-details`; the emulator
   always does.
 - errors: {"error": {"message", "type", "param", "code"}} (vLLM's ErrorResponse since
-  ErrorInfo, OpenAI's shape), 400 "BadRequestError" naming the field, 404
+  ErrorInfo, OpenAI's shape), 400 "ApiErrorError" naming the field, 404
   "NotFoundError" for an unknown model.
 
 Only single prompts and n=1 are emulated; `max_tokens` defaults to 16 on completions
@@ -44,11 +44,11 @@ _json_decode = msgspec.json.Decoder().decode
 json_encode = msgspec.json.Encoder().encode
 
 
-class BadRequest(Exception):
-    """A request error with its HTTP status, OpenAI error type and offending field."""
+class ApiError(Exception):
+    """An error answered as an OpenAI error object: HTTP status, error type, offending field."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "BadRequestError") -> None:
+                 kind: str = "ApiErrorError") -> None:
         super().__init__(message)
         self.message = message
         self.param = param
@@ -83,13 +83,13 @@ class GenRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or BadRequest."""
+    """The request body as a JSON object, or ApiError."""
     try:
         obj = _json_decode(body)
     except msgspec.DecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}", None) from None
+        raise ApiError(f"the request body is not valid JSON: {exc}", None) from None
     if not isinstance(obj, dict):
-        raise BadRequest("the request body must be a JSON object", None)
+        raise ApiError("the request body must be a JSON object", None)
     return obj
 
 
@@ -98,9 +98,9 @@ def _int(obj: dict[str, Any], key: str, default: int | None, low: int) -> int | 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key} must be an integer, got {type(value).__name__}", key)
+        raise ApiError(f"{key} must be an integer, got {type(value).__name__}", key)
     if value < low:
-        raise BadRequest(f"{key} must be >= {low}, got {value}", key)
+        raise ApiError(f"{key} must be >= {low}, got {value}", key)
     return value
 
 
@@ -109,7 +109,7 @@ def _bool(obj: dict[str, Any], key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be a boolean, got {type(value).__name__}", key)
+        raise ApiError(f"{key} must be a boolean, got {type(value).__name__}", key)
     return value
 
 
@@ -119,9 +119,9 @@ def check_model(obj: dict[str, Any], served: str) -> str:
     if model is None:
         return served
     if not isinstance(model, str):
-        raise BadRequest(f"model must be a string, got {type(model).__name__}", "model")
+        raise ApiError(f"model must be a string, got {type(model).__name__}", "model")
     if model != served:
-        raise BadRequest(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
+        raise ApiError(f"The model `{model}` does not exist.", "model", 404, "NotFoundError")
     return model
 
 
@@ -129,7 +129,7 @@ def token_ids(value: Any, key: str) -> list[int]:
     """A list of token ids, each in [0, 2**32) (kvroute's block hashing serializes uint32)."""
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
-            raise BadRequest(f"{key}[{i}] must be a token id in [0, 2**32), got {t!r}", key)
+            raise ApiError(f"{key}[{i}] must be a token id in [0, 2**32), got {t!r}", key)
     return value
 
 
@@ -143,13 +143,13 @@ def prompt_ids(obj: dict[str, Any], tokenizer: Any) -> list[int]:
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         ids = token_ids(prompt, "prompt")
     elif prompt is None:
-        raise BadRequest("prompt is required", "prompt")
+        raise ApiError("prompt is required", "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("prompt: the emulator serves one prompt per request, not a batch", "prompt")
+        raise ApiError("prompt: the emulator serves one prompt per request, not a batch", "prompt")
     else:
-        raise BadRequest("prompt must be a string or a list of token ids", "prompt")
+        raise ApiError("prompt must be a string or a list of token ids", "prompt")
     if not ids:
-        raise BadRequest("prompt must not be empty", "prompt")
+        raise ApiError("prompt must not be empty", "prompt")
     return ids
 
 
@@ -157,51 +157,54 @@ def check_messages(obj: dict[str, Any]) -> list[dict[str, Any]]:
     """The chat messages, each an object with a string role and string or parts content."""
     messages = obj.get("messages")
     if messages is None:
-        raise BadRequest("messages is required", "messages")
+        raise ApiError("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
+        raise ApiError("messages must be a non-empty list", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", "messages")
+            raise ApiError(f"messages[{i}] must be an object with a string 'role'", "messages")
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of parts", "messages")
+            raise ApiError(f"messages[{i}].content must be a string or a list of parts", "messages")
     return messages
 
 
 def _common(obj: dict[str, Any], chat: bool, served: str, ids: list[int], max_model_len: int) -> GenRequest:
     model = check_model(obj, served)
     if _int(obj, "n", 1, 1) != 1:
-        raise BadRequest("n: the emulator generates one choice per request", "n")
+        raise ApiError("n: the emulator generates one choice per request", "n")
     key = "max_completion_tokens" if chat and obj.get("max_completion_tokens") is not None else "max_tokens"
     default = DEFAULT_CHAT_TOKENS if chat else DEFAULT_COMPLETION_TOKENS
     max_tokens = _int(obj, key, None, 1)
     explicit = max_tokens is not None
     if max_tokens is None:
         max_tokens = max(1, min(default, max_model_len - len(ids)))
-    if len(ids) + max_tokens > max_model_len:
-        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                         f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages, {max_tokens} in the "
-                         f"completion). Please reduce the length of the messages or completion.",
+    if len(ids) >= max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                         f"has {len(ids)} input tokens. Please reduce the length of the {'messages' if chat else 'prompt'}.",
                          "messages" if chat else "prompt")
+    if len(ids) + max_tokens > max_model_len:
+        raise ApiError(f"'{key}' is too large: {max_tokens}. This model's maximum context length is "
+                         f"{max_model_len} tokens and your request has {len(ids)} input tokens "
+                         f"({max_tokens} > {max_model_len} - {len(ids)}).", key)
     stream = _bool(obj, "stream")
     opts = obj.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
-        raise BadRequest("stream_options must be an object", "stream_options")
+        raise ApiError("stream_options must be an object", "stream_options")
     opts = opts or {}
     for k in ("include_usage", "continuous_usage_stats"):
         if k in opts and opts[k] is not None and not isinstance(opts[k], bool):
-            raise BadRequest(f"stream_options.{k} must be a boolean", "stream_options")
+            raise ApiError(f"stream_options.{k} must be a boolean", "stream_options")
     if opts and not stream:
-        raise BadRequest("stream_options: Stream options can only be defined when `stream=True`.", "stream_options")
+        raise ApiError("stream_options: Stream options can only be defined when `stream=True`.", "stream_options")
     return GenRequest(chat, model, ids, max_tokens, explicit, stream, bool(opts.get("include_usage")),
                       bool(opts.get("continuous_usage_stats")))
 
 
 def parse_completion(obj: dict[str, Any], served: str, tokenizer: Any, max_model_len: int) -> GenRequest:
-    """A /v1/completions request, validated (BadRequest names the field)."""
+    """A /v1/completions request, validated (ApiError names the field)."""
     if obj.get("echo"):
-        raise BadRequest("echo: not supported by the emulator", "echo")
+        raise ApiError("echo: not supported by the emulator", "echo")
     return _common(obj, False, served, prompt_ids(obj, tokenizer), max_model_len)
 
 
@@ -211,7 +214,7 @@ def parse_chat(obj: dict[str, Any], served: str, tokenizer: Any, max_model_len: 
     try:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=obj.get("tools"))
     except (TypeError, ValueError) as exc:
-        raise BadRequest(f"messages: {exc}", "messages") from None
+        raise ApiError(f"messages: {exc}", "messages") from None
     return _common(obj, True, served, ids, max_model_len)
 
 
@@ -272,6 +275,6 @@ def usage_chunk(req: GenRequest, use: dict[str, Any]) -> bytes:
 
 DONE = b"data: [DONE]\n\n"
 
-__all__ = ["BadRequest", "DONE", "GenRequest", "check_messages", "check_model", "chunk", "filler",
+__all__ = ["ApiError", "DONE", "GenRequest", "check_messages", "check_model", "chunk", "filler",
            "full_response", "json_encode", "parse_chat", "parse_completion", "parse_json", "prompt_ids",
            "token_ids", "usage", "usage_chunk"]

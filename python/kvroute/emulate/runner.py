@@ -15,11 +15,14 @@ aborts the engine request (abort_request), as vLLM's does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+
+log = logging.getLogger("kvroute.emulate")
 
 #: vLLM's buckets for vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -29,13 +32,14 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 class _Stream:
     """What the HTTP handler of one request reads: outputs as they become visible."""
 
-    __slots__ = ("outputs", "event", "finished", "aborted", "arrival", "prompt_tokens", "cached_tokens")
+    __slots__ = ("outputs", "event", "finished", "aborted", "error", "arrival", "prompt_tokens", "cached_tokens")
 
     def __init__(self, arrival: float, prompt_tokens: int) -> None:
         self.outputs: list[Any] = []
         self.event = asyncio.Event()
         self.finished = False
         self.aborted = False
+        self.error: str | None = None
         self.arrival = arrival
         self.prompt_tokens = prompt_tokens
         self.cached_tokens: int | None = None
@@ -109,6 +113,7 @@ class EngineRunner:
         self._task: asyncio.Task[None] | None = None
         self._t0 = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failed: str | None = None
 
     # -- clock -------------------------------------------------------------------------
     def now(self) -> float:
@@ -138,6 +143,8 @@ class EngineRunner:
         """Add a request to the engine now; its outputs arrive on the returned stream."""
         from ..sim.engine import EngineRequest
 
+        if self.failed is not None:
+            raise RuntimeError(f"the engine model failed: {self.failed}")
         now = self.now()
         stream = _Stream(now, len(prompt))
         self.streams[request_id] = stream
@@ -161,6 +168,20 @@ class EngineRunner:
 
     # -- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
+        try:
+            await self._steps()
+        except Exception as exc:
+            # A bug in the engine model: every waiting client gets an error instead of
+            # hanging, and later requests are refused with the same message.
+            log.exception("the engine model failed; this engine refuses requests from now on")
+            self.failed = f"{type(exc).__name__}: {exc}"
+            for stream in self.streams.values():
+                stream.error = self.failed
+                stream.aborted = True
+                stream.event.set()
+            self.streams.clear()
+
+    async def _steps(self) -> None:
         assert self._wake is not None and self._loop is not None
         loop = self._loop
         while True:
