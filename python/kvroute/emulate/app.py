@@ -145,6 +145,8 @@ class EmulatorApp:
             stream = runner.submit(req.request_id, req.prompt_ids, req.max_tokens)
         except RuntimeError as exc:
             raise P.ApiError(str(exc), None, 500, "InternalServerError") from None
+        except ValueError as exc:
+            raise P.ApiError(f"max_tokens: {exc}", "max_tokens") from None
         # After the body, receive() returns only when the client goes (or the response ends).
         watch = asyncio.ensure_future(receive())
         watch.add_done_callback(lambda _: runner.abort(req.request_id))

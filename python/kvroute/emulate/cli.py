@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Any
 
-_OWN = {"block_size", "num_kv_blocks"}
+_OWN = {"block_size", "num_kv_blocks"}  # --block-size, --kv-blocks
 ENDPOINTS = "POST /v1/completions /v1/chat/completions /tokenize; GET /v1/models /health /metrics"
 
 
@@ -56,9 +56,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wall seconds per engine second (0.1 runs the engines 10x faster)")
     p.add_argument("--max-model-len", type=int, default=131_072)
     g = p.add_argument_group("engine model parameters (kvroute.sim.engine.EngineConfig)")
+    taken = {opt for action in p._actions for opt in action.option_strings}
     for f in _engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if flag in taken:
+            flag = "--engine-" + f.name.replace("_", "-")  # e.g. the engine's `model` (cost source)
         default = f.default if f.default is not dataclasses.MISSING else None
-        g.add_argument("--" + f.name.replace("_", "-"), dest="engine_" + f.name, type=_kind(f), default=None,
+        g.add_argument(flag, dest="engine_" + f.name, type=_kind(f), default=None,
                        help=f"default {default!r}")
 
 

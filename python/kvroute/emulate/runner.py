@@ -140,17 +140,19 @@ class EngineRunner:
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> _Stream:
-        """Add a request to the engine now; its outputs arrive on the returned stream."""
+        """Add a request to the engine now; its outputs arrive on the returned stream.
+        ValueError (from the engine) when it can never fit in the KV memory; RuntimeError
+        once the engine model has failed."""
         from ..sim.engine import EngineRequest
 
         if self.failed is not None:
             raise RuntimeError(f"the engine model failed: {self.failed}")
         now = self.now()
-        stream = _Stream(now, len(prompt))
-        self.streams[request_id] = stream
         req = EngineRequest(request_id=request_id, prompt=np.asarray(prompt, dtype=np.int64),
                             max_tokens=int(max_tokens), arrival=now)
-        self.engine.add_request(req, now)
+        self.engine.add_request(req, now)  # ValueError: can never fit in the KV memory
+        stream = _Stream(now, len(prompt))
+        self.streams[request_id] = stream
         self.counters.prompt_tokens += len(prompt)
         assert self._wake is not None
         self._wake.set()
@@ -161,7 +163,10 @@ class EngineRunner:
         stream = self.streams.pop(request_id, None)
         if stream is None or stream.finished:
             return
-        self.engine.abort_request(request_id, self.now())
+        try:
+            self.engine.abort_request(request_id, self.now())
+        except KeyError:
+            pass  # it finished in the step now running; its outputs are simply not delivered
         stream.aborted = True
         stream.event.set()
         self.counters.aborted += 1
