@@ -16,7 +16,7 @@ chat_completion/serving.py (protocol.py for the field names):
   hit at admission). vLLM adds it with `--enable-prompt-tokens-details`; the emulator
   always does.
 - errors: {"error": {"message", "type", "param", "code"}} (vLLM's ErrorResponse since
-  ErrorInfo, OpenAI's shape), 400 "ApiErrorError" naming the field, 404
+  ErrorInfo, OpenAI's shape), 400 "BadRequestError" naming the field, 404
   "NotFoundError" for an unknown model.
 
 Only single prompts and n=1 are emulated; `max_tokens` defaults to 16 on completions
@@ -48,7 +48,7 @@ class ApiError(Exception):
     """An error answered as an OpenAI error object: HTTP status, error type, offending field."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "ApiErrorError") -> None:
+                 kind: str = "BadRequestError") -> None:
         super().__init__(message)
         self.message = message
         self.param = param

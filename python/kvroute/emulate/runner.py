@@ -5,8 +5,10 @@ schedules one step starting at `now` and says how long it takes. The runner maps
 time to the event loop's clock (engine seconds x time_scale = wall seconds, from the
 runner's start), calls step(), sleeps until the step's end and only then delivers its
 outputs and publishes its KV events, which is when a real engine's tokens and events
-become visible. When the engine has nothing to do the task waits for a request. A slow
-host shows as later step starts, as an overloaded engine would.
+become visible. When the engine has nothing to do the task waits for a request.
+Consecutive steps are back to back in engine time (the loop's wake-up latency is made up
+by sleeping less); a host that falls more than MAX_LAG behind shows as later step
+starts, as an overloaded engine would.
 
 Per request a _Stream collects outputs for the HTTP handler; the handler's disconnect
 aborts the engine request (abort_request), as vLLM's does.
@@ -23,6 +25,9 @@ from typing import Any, Callable
 import numpy as np
 
 log = logging.getLogger("kvroute.emulate")
+
+#: Wall seconds the loop may fall behind a step's end before engine time slips.
+MAX_LAG = 0.02
 
 #: vLLM's buckets for vllm:time_to_first_token_seconds (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -189,17 +194,23 @@ class EngineRunner:
     async def _steps(self) -> None:
         assert self._wake is not None and self._loop is not None
         loop = self._loop
+        last_end = -math.inf
         while True:
             if not self.engine.has_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            res = self.engine.step(self.now())
-            end = res.start + res.duration
-            delay = self._t0 + end * self.time_scale - loop.time()
+            now = self.now()
+            # Back-to-back steps start where the previous one ended, so the loop's wake-up
+            # latency does not stretch engine time; a host lagging by more than MAX_LAG
+            # wall seconds lets engine time slip instead (the engine is then "slow").
+            start = last_end if 0.0 <= now - last_end <= MAX_LAG / self.time_scale else now
+            res = self.engine.step(start)
+            last_end = res.start + res.duration
+            delay = self._t0 + last_end * self.time_scale - loop.time()
             # Yield even for a zero-length step so that HTTP handlers run between steps.
             await asyncio.sleep(delay if delay > 0 else 0)
-            self._deliver(res.outputs, end)
+            self._deliver(res.outputs, last_end)
 
     def _deliver(self, outputs: list[Any], end: float) -> None:
         if self._pending_events:
