@@ -115,7 +115,17 @@ async def _main(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """`kvroute emulate`: start the engines, serve until Ctrl-C."""
+    import zmq
+
     _check(args)
+    try:
+        return _run_loop(args)
+    except (OSError, zmq.ZMQError) as exc:
+        # A port in use or an address that cannot be bound: say which, no traceback.
+        raise ValueError(f"cannot listen: {exc}") from None
+
+
+def _run_loop(args: argparse.Namespace) -> int:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is in the emulate extra

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -62,6 +63,18 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"HTTP port {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
 class EmulatedEngine:
     """One engine: runner, publisher, app and its uvicorn server."""
 
@@ -74,9 +87,16 @@ class EmulatedEngine:
         self.url = f"http://{host}:{ports.http}"
         self.events_endpoint = f"tcp://{host}:{ports.events}"
         self.replay_endpoint = f"tcp://{host}:{ports.replay}"
-        self.publisher = EventPublisher(self.events_endpoint, self.replay_endpoint, topic=opts.topic,
-                                        encoding=opts.encoding)
         config = EngineConfig(**opts.engine)
+        # Bind the HTTP socket here so that a port in use is an OSError naming it, before
+        # anything runs (uvicorn would log and exit the process instead).
+        self.socket = _listen(host, ports.http)
+        try:
+            self.publisher = EventPublisher(self.events_endpoint, self.replay_endpoint, topic=opts.topic,
+                                            encoding=opts.encoding)
+        except BaseException:
+            self.socket.close()
+            raise
         self.config = config
         self.runner = EngineRunner(lambda on_events: Engine(config, on_events=on_events),
                                    time_scale=opts.time_scale, publish=self.publisher.publish)
@@ -85,6 +105,11 @@ class EmulatedEngine:
         self.server = _Server(uvicorn.Config(self.app, host=host, port=ports.http, loop="none", http="httptools",
                                              lifespan="off", log_level="warning", access_log=False,
                                              timeout_graceful_shutdown=1))
+
+    def close(self) -> None:
+        """Release the sockets of an engine that never started."""
+        self.socket.close()
+        self.publisher.close()
 
     def serve_args(self) -> str:
         """This engine as a `kvroute serve --replica` argument."""
@@ -101,7 +126,14 @@ class Fleet:
             raise ValueError("a fleet needs at least one engine")
         self.opts = opts or EmulatorOptions()
         tokenizer = load_tokenizer(self.opts.tokenizer)
-        self.engines = [EmulatedEngine(i, p, self.opts, tokenizer) for i, p in enumerate(ports)]
+        self.engines: list[EmulatedEngine] = []
+        try:
+            for i, p in enumerate(ports):
+                self.engines.append(EmulatedEngine(i, p, self.opts, tokenizer))
+        except BaseException:
+            for e in self.engines:
+                e.close()
+            raise
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -109,7 +141,7 @@ class Fleet:
         for e in self.engines:
             e.runner.start()
             e.publisher.start()
-            self._tasks.append(asyncio.get_running_loop().create_task(e.server.serve()))
+            self._tasks.append(asyncio.get_running_loop().create_task(e.server.serve(sockets=[e.socket])))
         while not all(e.server.started for e in self.engines):
             for t in self._tasks:
                 if t.done():
