@@ -120,6 +120,7 @@ def test_models_health_tokenize(fleet):
     ("/v1/completions", {"prompt": [1], "n": 2}, "n"),
     ("/v1/completions", {"prompt": [1], "max_tokens": 10**9}, "max_tokens"),
     ("/v1/completions", {"prompt": [7] * 200_000}, "prompt"),
+    ("/v1/completions", {"prompt": [7] * 400, "max_tokens": 200}, "max_tokens"),  # more than the KV memory
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
     ("/v1/chat/completions", {}, "messages"),
@@ -146,15 +147,21 @@ def test_malformed_json_unknown_model_and_routes(fleet):
     assert httpx.get(url + "/v1/completions").status_code == 405
 
 
-def test_disconnect_aborts_the_engine_request(fleet):
-    url = fleet.fleet.engines[0].url
-    before = metrics(fleet, 0)[("vllm:request_success_total", (("finished_reason", "abort"),))]
-    with httpx.stream("POST", url + "/v1/completions",
-                      json={"prompt": list(range(40)), "max_tokens": 100_000, "stream": True}) as r:
-        next(r.iter_lines())
-    key = ("vllm:request_success_total", (("finished_reason", "abort"),))
-    eventually(lambda: metrics(fleet, 0)[key] == before + 1, "the abort")
-    eventually(lambda: metrics(fleet, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
+def test_disconnect_aborts_the_engine_request():
+    """Real time and a long answer: the client leaves after the first chunk."""
+    ft = start_fleet(1, time_scale=1.0)
+    try:
+        url = ft.fleet.engines[0].url
+        key = ("vllm:request_success_total", (("finished_reason", "abort"),))
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"prompt": list(range(40)), "max_tokens": 10_000, "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        eventually(lambda: metrics(ft, 0)[key] == 1, "the abort")
+        eventually(lambda: metrics(ft, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
+        assert ft.call(lambda: ft.fleet.engines[0].runner.engine.stats()["aborted"]) == 1
+    finally:
+        ft.stop()
 
 
 def test_metrics_parse_with_vllm_names(fleet):
@@ -173,7 +180,7 @@ def test_metrics_parse_with_vllm_names(fleet):
 def test_subscriber_ends_with_exactly_the_engines_blocks(fleet):
     """Traffic with shared prefixes and evictions on all four engines; kvroute's Subscriber
     (joining late: the first batches come from the replay socket) must hold per engine
-    exactly the blocks the engine's cache holds."""
+    exactly the blocks the engine's cache holds (Engine.cached_hashes)."""
     engines = fleet.fleet.engines
     rng = random.Random(5)
     prefixes = [[rng.randrange(5000, 6000) for _ in range(64)] for _ in range(6)]
@@ -198,7 +205,9 @@ def test_subscriber_ends_with_exactly_the_engines_blocks(fleet):
         events = fleet.call(lambda: list(fleet.published[i]))
         removed += sum(type(ev).__name__ == "BlockRemoved" for ev in events)
         kv = kvroute_hashes(events)
-        truth = sorted({kv[h] for h in cache_content(events)})
+        cached = fleet.call(lambda: e.runner.engine.cached_hashes())
+        assert cache_content(events) == {h: n for h, n in cached.items() if n}  # the events tell the truth
+        truth = sorted({kv[h] for h in cached})
         assert sorted(int(h) for h in index.held(i)) == truth, f"engine {i}"
     assert removed > 0  # the cache was small enough to evict
 
