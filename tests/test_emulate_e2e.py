@@ -217,3 +217,31 @@ def test_json_bodies_are_not_tracebacks(fleet):
                    json={"messages": [{"role": "user", "content": 5}]})
     assert r.status_code == 400 and "Traceback" not in r.text
     json.loads(r.text)
+
+
+def test_hugging_face_tokenizer_and_chat_template(tmp_path):
+    """--tokenizer PATH: prompts, /tokenize and chat go through the HF tokenizer and its
+    template, and agree with kvroute.tokenize's own encoding."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers_fixture import train_folder
+
+    from kvroute.tokenize import load_tokenizer
+
+    folder = train_folder(str(tmp_path / "tok"), "chatml")
+    tok = load_tokenizer(folder)
+    ft = start_fleet(1, time_scale=0.02, tokenizer=folder)
+    try:
+        url = ft.fleet.engines[0].url
+        messages = [{"role": "user", "content": "hello world, how are you today?"}]
+        r = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+        assert r["tokens"] == tok.encode_chat(messages)
+        r = httpx.post(url + "/tokenize", json={"prompt": "the quick brown fox"}).json()
+        assert r["tokens"] == tok.encode("the quick brown fox", add_special_tokens=True)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        chat = c.chat.completions.create(model="kvroute-emulated", messages=messages, max_tokens=2)
+        assert chat.usage.prompt_tokens == len(tok.encode_chat(messages))
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    finally:
+        ft.stop()

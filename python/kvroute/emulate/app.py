@@ -79,12 +79,26 @@ class EmulatorApp:
             status = 405 if path in self._paths else 404
             return await _respond(send, status, P.json_encode(
                 {"detail": "Method Not Allowed" if status == 405 else "Not Found"}))
+        started = False
+
+        async def tracked(msg: dict[str, Any]) -> None:
+            nonlocal started
+            started = True
+            await send(msg)
+
         try:
-            await handler(scope, receive, send)
+            await handler(scope, receive, tracked)
         except P.ApiError as exc:
-            await _respond(send, exc.status, exc.body())
+            if not started:
+                await _respond(send, exc.status, exc.body())
         except ConnectionResetError:
             pass
+        except Exception as exc:
+            # A bug, not the request's fault: logged with its traceback, answered without it.
+            log.exception("%s %s failed", scope["method"], path)
+            if not started:
+                err = P.ApiError(f"internal error: {type(exc).__name__}", None, 500, "InternalServerError")
+                await _respond(send, 500, err.body())
 
     # -- simple routes -----------------------------------------------------------------
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,10 +122,7 @@ class EmulatorApp:
             add_gen = obj.get("add_generation_prompt", True)
             if not isinstance(add_gen, bool):
                 raise P.ApiError("add_generation_prompt must be a boolean", "add_generation_prompt")
-            try:
-                ids = self.tokenizer.encode_chat(messages, add_generation_prompt=add_gen, tools=obj.get("tools"))
-            except (TypeError, ValueError) as exc:
-                raise P.ApiError(f"messages: {exc}", "messages") from None
+            ids = P.encode_chat(self.tokenizer, messages, add_gen, obj.get("tools"))
         else:
             prompt = obj.get("prompt")
             if not isinstance(prompt, str):

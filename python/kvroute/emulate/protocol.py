@@ -211,11 +211,16 @@ def parse_completion(obj: dict[str, Any], served: str, tokenizer: Any, max_model
 def parse_chat(obj: dict[str, Any], served: str, tokenizer: Any, max_model_len: int) -> GenRequest:
     """A /v1/chat/completions request, validated; the messages rendered and tokenized."""
     messages = check_messages(obj)
+    return _common(obj, True, served, encode_chat(tokenizer, messages, True, obj.get("tools")), max_model_len)
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: Any) -> list[int]:
+    """The rendered, tokenized chat; any template error (jinja2's TemplateError from
+    raise_exception, a bad tools list, ...) is the request's fault: 400, as vLLM answers."""
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=obj.get("tools"))
-    except (TypeError, ValueError) as exc:
-        raise ApiError(f"messages: {exc}", "messages") from None
-    return _common(obj, True, served, ids, max_model_len)
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except Exception as exc:  # noqa: BLE001 - the template is code the request's data drives
+        raise ApiError(f"messages: the chat template failed: {exc}", "messages") from None
 
 
 def filler(start: int, count: int) -> str:
