@@ -1,15 +1,18 @@
 """How many streamed requests one emulated engine serves per second on one core.
 
 The engine runs in its own process (`kvroute emulate`, one engine, pinned to one CPU where
-the OS allows), with --time-scale 0.001 so that the engine model's step times do not
-bound the rate: what is measured is the emulator's own cost per request (HTTP parsing,
-the engine model's scheduling, SSE chunks, KV events). A load generator in this process
-keeps CONCURRENCY streamed /v1/completions requests in flight (PROMPT random token ids,
+the OS allows) with --time-scale 0.001, so that the modeled GPU's step times do not bound
+the rate and what is measured is the emulator's own cost per request: HTTP parsing, the
+engine model's scheduling, SSE chunks, KV events. (In real time the engine model's
+Llama-3.1-8B/A100 prefills ~10,000 tokens/s, i.e. at most ~78 requests/s of 128 tokens:
+that is the modeled GPU's limit, not the emulator's.) CLIENTS load-generator processes keep CONCURRENCY
+streamed /v1/completions requests in flight between them (PROMPT random token ids,
 MAX_TOKENS tokens each, stream_options.include_usage) for DURATION seconds.
 
-Reported: requests per wall second and requests per CPU second of the engine process
-(the per-core rate; the target is >= 500). The load generator shares the machine, so the
-wall rate is a lower bound when cores are scarce.
+Reported: requests per wall second, and requests per CPU second of the engine process
+(what one fully busy core would serve). The target is >= 500 streamed requests per
+second on one core. The load generators share the machine, so on a small or busy host
+the wall rate is bounded by them (the per-CPU-second rate is not).
 
 Run: python -m pytest benchmarks/bench_emulate.py --benchmark-only -s
      python benchmarks/bench_emulate.py            (prints the numbers)
@@ -27,7 +30,8 @@ import time
 
 import pytest
 
-CONCURRENCY = 64
+CONCURRENCY = 128
+CLIENTS = 2
 PROMPT = 128
 MAX_TOKENS = 8
 DURATION = 8.0
@@ -51,16 +55,30 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _pin(cpu: int) -> None:
+    # The engine gets one core; the load generators may use the others.
     if hasattr(os, "sched_setaffinity") and cpu in os.sched_getaffinity(0):
         os.sched_setaffinity(0, {cpu})
 
 
-async def _load(url: str, duration: float) -> tuple[int, int]:
+def _client(args: tuple[str, float, int, int]) -> tuple[int, int]:
+    url, duration, concurrency, seed = args
+    return asyncio.run(_load(url, duration, concurrency, seed))
+
+
+def _load_all(url: str, duration: float, clients: int) -> tuple[int, int]:
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(clients) as pool:
+        parts = pool.map(_client, [(url, duration, CONCURRENCY // clients, k) for k in range(clients)])
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+async def _load(url: str, duration: float, concurrency: int, seed: int) -> tuple[int, int]:
     import aiohttp
 
     done = errors = 0
     stop = time.perf_counter() + duration
-    rng = random.Random(0)
+    rng = random.Random(seed)
 
     async def worker(session: aiohttp.ClientSession) -> None:
         nonlocal done, errors
@@ -76,15 +94,15 @@ async def _load(url: str, duration: float) -> tuple[int, int]:
             errors += not ok
 
     async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=0)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return done, errors
 
 
-def measure(duration: float = DURATION) -> dict[str, float]:
+def measure(duration: float = DURATION, time_scale: float = 0.001, clients: int = CLIENTS) -> dict[str, float]:
     """Start one emulated engine, load it, return requests per wall and per CPU second."""
     http, events = _free_ports(2)
     cmd = [sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(http), "--kv-events-port", str(events),
-           "--time-scale", "0.001"]
+           "--time-scale", str(time_scale)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: _pin(0))
     try:
@@ -92,10 +110,9 @@ def measure(duration: float = DURATION) -> dict[str, float]:
         line = proc.stdout.readline()
         assert line.startswith("engine 0"), line
         url = f"http://127.0.0.1:{http}"
-        _pin(1)
-        asyncio.run(_load(url, WARMUP))
+        _load_all(url, WARMUP, clients)
         cpu0, t0 = _cpu_seconds(proc.pid), time.perf_counter()
-        done, errors = asyncio.run(_load(url, duration))
+        done, errors = _load_all(url, duration, clients)
         cpu1, t1 = _cpu_seconds(proc.pid), time.perf_counter()
     finally:
         proc.terminate()
@@ -105,11 +122,12 @@ def measure(duration: float = DURATION) -> dict[str, float]:
             "per_wall_s": done / (t1 - t0), "per_cpu_s": done / max(cpu1 - cpu0, 1e-9)}
 
 
-@pytest.mark.parametrize("impl", ["native"])
-def test_streamed_requests_per_second(benchmark, impl):
-    """One engine, streamed completions: the >= 500 requests per CPU second target."""
-    benchmark.group = f"emulate: {CONCURRENCY} streams, {PROMPT}-token prompts, {MAX_TOKENS} tokens each"
-    out = benchmark.pedantic(measure, rounds=1, iterations=1)
+@pytest.mark.parametrize("time_scale", [0.001])
+def test_streamed_requests_per_second(benchmark, time_scale):
+    """One engine, streamed completions: the >= 500 requests per second target."""
+    benchmark.group = f"emulate: {CONCURRENCY} streams, {PROMPT}-token prompts, {MAX_TOKENS} tokens, " \
+                      f"time scale {time_scale:g}"
+    out = benchmark.pedantic(measure, kwargs={"time_scale": time_scale}, rounds=1, iterations=1)
     benchmark.extra_info.update(out)
     print(f"\n{out['requests']} requests: {out['per_wall_s']:.0f}/s wall, {out['per_cpu_s']:.0f}/s per engine "
           f"CPU second ({out['engine_cpu_s']:.2f} s CPU over {out['wall_s']:.2f} s)")
@@ -117,6 +135,8 @@ def test_streamed_requests_per_second(benchmark, impl):
 
 
 if __name__ == "__main__":
-    res = measure()
-    print(f"{res['requests']} requests: {res['per_wall_s']:.0f}/s wall, {res['per_cpu_s']:.0f}/s per engine CPU "
-          f"second ({res['engine_cpu_s']:.2f} s CPU over {res['wall_s']:.2f} s)")
+    for scale in (0.001,):
+        res = measure(time_scale=scale)
+        print(f"time scale {scale:g}: {res['requests']} requests: {res['per_wall_s']:.0f}/s wall, "
+              f"{res['per_cpu_s']:.0f}/s per engine CPU second ({res['engine_cpu_s']:.2f} s CPU over "
+              f"{res['wall_s']:.2f} s)")
