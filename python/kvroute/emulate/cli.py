@@ -26,10 +26,18 @@ def _engine_fields() -> list[Any]:
     return [f for f in dataclasses.fields(EngineConfig) if f.name not in _OWN]
 
 
+def _bool(text: str) -> bool:
+    """true/false/1/0 (argparse names this function in its message on a bad value)."""
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise ValueError(text)
+    return value
+
+
 def _kind(f: Any) -> Any:
     t = str(f.type)
     if "bool" in t:
-        return lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]
+        return _bool
     if "int" in t and "float" not in t:
         return int
     if "float" in t:
@@ -62,7 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if flag in taken:
             flag = "--engine-" + f.name.replace("_", "-")  # e.g. the engine's `model` (cost source)
         default = f.default if f.default is not dataclasses.MISSING else None
-        g.add_argument(flag, dest="engine_" + f.name, type=_kind(f), default=None,
+        kind = _kind(f)
+        metavar = {int: "N", float: "X"}.get(kind, "BOOL" if "bool" in str(f.type) else "TEXT")
+        g.add_argument(flag, dest="engine_" + f.name, type=kind, default=None, metavar=metavar,
                        help=f"default {default!r}")
 
 
