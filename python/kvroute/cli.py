@@ -110,6 +110,18 @@ def _sweep(args: argparse.Namespace, workload: object, specs: list, fleet: objec
     return 0
 
 
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    from .emulate import cli as emulate_cli
+
+    return emulate_cli.run(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=kvroute.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvroute {kvroute.__version__}")
@@ -147,7 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p_sim.set_defaults(func=_cmd_simulate)
+    p_emu = sub.add_parser("emulate", help="run emulated vLLM engines on the engine model (kvroute.emulate)")
+    _emulate_args(p_emu)
+    p_emu.set_defaults(func=_cmd_emulate)
+    p_bench = sub.add_parser("bench", help="replay a workload against OpenAI-compatible servers (kvroute.bench)")
+    _bench_args(p_bench)
+    p_bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _emulate_args(p: argparse.ArgumentParser) -> None:
+    from .emulate.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from .bench.cli import add_arguments
+
+    add_arguments(p)
 
 
 def _default_routers() -> tuple[str, ...]:
