@@ -106,7 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--plot", metavar="FILE.png", help="draw per-replica prefill seconds per router")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p_sim.set_defaults(func=_cmd_simulate)
+    p_serve = sub.add_parser("serve", help="an OpenAI-compatible gateway that routes with kvroute (kvroute[gateway])")
+    from .gateway.config import add_arguments
+
+    add_arguments(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _default_routers() -> tuple[str, ...]:
