@@ -237,3 +237,32 @@ def test_admin_drain_add_remove(gateway, engines):
     assert status == 400 and obj["error"]["param"] == "url"
     for name in ("e2", "e3"):
         call("POST", f"{url}/{name}/drain", {"draining": False})
+
+
+def test_graceful_shutdown_drains(engines):
+    slow = Engine("drain", chunks=10, gap=0.05).start().wait()
+    gw = gateway_for([slow])
+    try:
+        c = client(gw, timeout=30)
+        stream = c.completions.create(model="fake-model", prompt="x", stream=True)
+        it = iter(stream)
+        texts = [next(it).choices[0].text]
+        stopper = threading.Thread(target=gw.stop)
+        stopper.start()  # what SIGTERM does: stop accepting, let requests in flight finish
+        assert wait_until(lambda: not _accepts(gw.config.port), 5)
+        texts += [ch.choices[0].text for ch in it]
+        stopper.join(30)
+        assert "".join(texts) == "".join(f"w{i} " for i in range(10))
+        assert slow.stats()["completed"] == 1 and slow.stats()["aborted"] == 0
+        assert not gw.thread.is_alive() and gw.app.http is None  # lifespan shutdown closed the pool
+    finally:
+        gw.stop()
+        slow.kill()
+
+
+def _accepts(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
