@@ -266,3 +266,23 @@ def _accepts(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_cache_keys_separate_lora_and_salt(engines, tmp_path):
+    """LoRA adapters (learned from /v1/models) and cache_salt give distinct chains: a prompt
+    routed before matches itself, not the same prompt under another adapter or salt."""
+    import json
+
+    log = tmp_path / "decisions.jsonl"
+    gw = gateway_for(engines[:1], decision_log=str(log))
+    try:
+        assert wait_until(lambda: "fake-lora" in gw.app.fleet.lora_models, 5)
+        c = client(gw)
+        long = [{"role": "user", "content": "a question long enough to fill several blocks " * 4}]
+        for kw in ({}, {}, {"model": "fake-lora"}, {"extra_body": {"cache_salt": "tenant"}}):
+            c.chat.completions.create(messages=long, **{"model": "fake-model", **kw})
+        lines = [json.loads(x) for x in log.read_text().splitlines()]
+        assert [x["cached_tokens"] > 0 for x in lines] == [False, True, False, False]
+        assert lines[2]["lora"] == "fake-lora" and lines[0]["lora"] is None
+    finally:
+        gw.stop()

@@ -16,33 +16,15 @@ from .metrics import GatewayMetrics, ReplicaMetrics
 log = logging.getLogger("kvroute.gateway")
 
 
-# -- contract C1/C2 adapters ---------------------------------------------------------------
-# The per-request keys (lora, cache_salt, mm) of block_hashes and the engine block size of
-# Router.add_replica land with the applier and router branches. Until they are on main,
-# these adapters fold the keys into the salt (distinct chains: never an over-claim) and add
-# replicas without an engine block size. Delete the fallbacks once both have landed.
-def _supports_keys() -> bool:
-    try:
-        block_hashes([], 16, lora="x")
-    except TypeError:
-        return False
-    return True
-
-
-HAS_KEYS = _supports_keys()
-
-
 def hash_prompt(tokens: Any, block_size: int, salt: str | None, lora: str | None, cache_salt: str | None,
                 mm: list[tuple[str, int, int]] | None) -> Any:
     """kvroute.block_hashes with the request's cache keys (contract C1)."""
-    if HAS_KEYS:
-        return block_hashes(tokens, block_size, salt=salt, lora=lora, cache_salt=cache_salt, mm=mm)
-    if lora is None and cache_salt is None and not mm:
-        return block_hashes(tokens, block_size, salt=salt)
-    folded = "\x00".join([salt or "", "L" + (lora or ""), "C" + (cache_salt or "")] + [m[0] for m in mm or ()])
-    return block_hashes(tokens, block_size, salt=folded)
+    return block_hashes(tokens, block_size, salt=salt, lora=lora, cache_salt=cache_salt, mm=mm)
 
 
+# -- contract C2 adapter ----------------------------------------------------------------------
+# Router.add_replica(engine_block_size=) lands with the router branch; until it is on main a
+# replica's block_size= is only learned from its events. Delete the fallback once it landed.
 def add_to_router(router: Any, spec: ReplicaSpec) -> int:
     """Router.add_replica with the engine block size where the router takes it (contract C2)."""
     if spec.block_size is None:
