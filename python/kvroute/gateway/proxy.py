@@ -231,15 +231,20 @@ class Proxy:
         chunk = first
         content = resp.content
         try:
-            while chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            while True:
+                if content.at_eof():  # the last chunk (a whole non-streamed answer): one write
+                    await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                    break
+                if chunk:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 chunk = await content.readany()
                 if chunk:
                     tail = (tail + chunk)[-TAIL:]
+                elif not content.at_eof():
+                    raise aiohttp.ClientPayloadError("upstream body ended early")
         except (asyncio.TimeoutError, aiohttp.ClientError):
             self.fleet.failure(f.replica, "midstream")
             raise
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
         m = _CACHED.search(tail)
         if m is not None and resp.status < 400:
             rm = f.replica.metrics
