@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench = sub.add_parser("bench", help="replay a workload against OpenAI-compatible servers (kvroute.bench)")
     _bench_args(p_bench)
     p_bench.set_defaults(func=_cmd_bench)
+    p_serve = sub.add_parser("serve", help="an OpenAI-compatible gateway that routes with kvroute (kvroute[gateway])")
+    from .gateway.config import add_arguments
+
+    add_arguments(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
     return parser
 
 
@@ -178,6 +183,12 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     from .bench.cli import add_arguments
 
     add_arguments(p)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _default_routers() -> tuple[str, ...]:
