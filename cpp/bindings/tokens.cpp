@@ -2,6 +2,8 @@
 // python/kvroute/reference/hashing.py word for word, since tests compare them.
 #include "tokens.hpp"
 
+#include <algorithm>
+#include <climits>
 #include <cstring>
 #include <string_view>
 
@@ -240,6 +242,60 @@ std::string salt_bytes(py::handle salt) {
         return py::reinterpret_steal<py::bytes>(raw).cast<std::string>();
     }
     throw TypeError("salt must be str, bytes or None, got " + type_name(salt));
+}
+
+namespace {
+
+std::string utf8_or_none(py::handle value, const char* name) {
+    if (value.is_none()) return std::string();
+    if (!PyUnicode_Check(value.ptr()))
+        throw TypeError(std::string(name) + " must be a str or None, got " + type_name(value));
+    return value.attr("encode")("utf-8").cast<std::string>();
+}
+
+std::uint64_t mm_int(py::handle value, std::size_t i, const char* what, long long lo) {
+    const py::object index = as_index(value);
+    const std::string where = "mm[" + std::to_string(i) + "] " + what;
+    if (!index) throw TypeError(where + " must be an int, got " + type_name(value));
+    long long v = 0;
+    if (!int_in_range(index, lo, LLONG_MAX, v))
+        throw ValueError(where + " must be in [" + std::to_string(lo) + ", 2**63), got " +
+                         py::str(index).cast<std::string>());
+    return static_cast<std::uint64_t>(v);
+}
+
+}  // namespace
+
+RequestKeys request_keys(py::handle lora, py::handle cache_salt, py::handle mm) {
+    RequestKeys keys;
+    keys.lora = utf8_or_none(lora, "lora");
+    keys.cache_salt = utf8_or_none(cache_salt, "cache_salt");
+    if (mm.is_none()) return keys;
+    if (!PyList_Check(mm.ptr()) && !PyTuple_Check(mm.ptr()))
+        throw TypeError("mm must be a list or tuple of (identifier, offset, length), got " + type_name(mm));
+    // A copy first: a list that changes while it is read must not be read half-changed.
+    const py::tuple items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(mm.ptr()));
+    if (!items) throw py::error_already_set();
+    std::vector<std::uint64_t> offsets;
+    for (std::size_t i = 0; i < items.size(); ++i) {
+        const py::handle item = items[i];
+        if ((!PyList_Check(item.ptr()) && !PyTuple_Check(item.ptr())) || py::len(item) != 3)
+            throw TypeError("mm[" + std::to_string(i) + "] must be an (identifier, offset, length) tuple, got " +
+                            type_name(item));
+        const py::tuple fields = py::reinterpret_steal<py::tuple>(PySequence_Tuple(item.ptr()));
+        if (!fields) throw py::error_already_set();
+        if (!PyUnicode_Check(fields[0].ptr()))
+            throw TypeError("mm[" + std::to_string(i) + "] identifier must be a str, got " + type_name(fields[0]));
+        std::string id = fields[0].attr("encode")("utf-8").cast<std::string>();
+        offsets.push_back(mm_int(fields[1], i, "offset", 0));
+        mm_int(fields[2], i, "length", 1);
+        keys.ids.push_back(std::move(id));
+    }
+    // Views are taken once every string is in place (a growing vector moves short strings).
+    for (std::size_t i = 0; i < keys.ids.size(); ++i) keys.mm.push_back(MmKey{keys.ids[i], offsets[i]});
+    std::stable_sort(keys.mm.begin(), keys.mm.end(),
+                     [](const MmKey& a, const MmKey& b) { return a.offset < b.offset; });
+    return keys;
 }
 
 }  // namespace kvroute::bindings
