@@ -71,7 +71,7 @@ def test_rate_one_matches_the_simulators_cache_on_chat():
 
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared conversation trace is not checked out")
 def test_conversation_trace_within_two_points():
-    stream, _ = bs.read_jsonl(TRACE)
+    stream = bs.read_jsonl(TRACE).stream
     sizes = mrc.default_sizes(len(np.unique(stream.hashes)), 8)
     curve = mrc.estimate(stream, sizes)  # fixed-size SHARDS: 65,536 blocks tracked
     assert curve.rate < 0.5 and curve.tracked <= 65_536

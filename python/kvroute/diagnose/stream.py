@@ -135,29 +135,58 @@ def from_workload(workload: Any, *, stores: bool = True) -> BlockStream:
     return build(ops, workload.block_tokens, arrival=times, lookup_blocks=looked)
 
 
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """A trace file read for diagnosis: its lookup stream, the same requests as a
+    simulator workload (single-turn clients at their timestamps), and for a token trace
+    the prompts' token ids (None for Mooncake)."""
+
+    stream: BlockStream
+    workload: Any
+    prompts: list[np.ndarray] | None
+    path: str
+    format: str
+
+
 def read_jsonl(path: str | os.PathLike[str], fmt: str = "mooncake", *, block_size: int | None = None,
-               limit: int | None = None) -> tuple[BlockStream, list[np.ndarray] | None]:
-    """Read a trace file: a stream of its prompts (lookups) and, for fmt="tokens", the
-    prompts' token ids (for the volatile-prefix detector).
+               limit: int | None = None, output_tokens: int = 256, rate: float | None = None) -> Trace:
+    """Read a trace file.
 
-    mooncake: Mooncake JSONL (timestamp ms, input_length, hash_ids of 512-token blocks;
-    block_size overrides 512). tokens: one prompt a line, either a JSON array of token ids
-    or an object with "tokens" (and optional "timestamp" in ms); hashed with
-    kvroute.block_hashes at block_size (default 16). Lines are taken in file order.
+    mooncake: Mooncake JSONL (timestamp ms, input_length, output_length, hash_ids of
+    512-token blocks; block_size overrides 512). tokens: one prompt a line, a JSON array
+    of token ids or an object with "tokens" and optional "timestamp" (ms) and
+    "output_length" (default output_tokens); hashed with kvroute.block_hashes at
+    block_size (default 16). rate: requests per second for a token trace without
+    timestamps (default 1). Requests are taken in file order; limit: the first `limit`.
     """
-    if fmt == "mooncake":
-        from ..sim.workloads import TraceParams, trace
+    from ..sim.workloads import Client, TraceParams, Turn, Workload, trace
 
+    if fmt == "mooncake":
         wl = trace(path, TraceParams(block_tokens=block_size or 512, limit=limit))
         ops = [(c.turns[0].hashes, int(c.turns[0].prompt_tokens), True) for c in wl.clients]
-        return build(ops, wl.block_tokens, arrival=[c.start for c in wl.clients]), None
+        return Trace(build(ops, wl.block_tokens, arrival=[c.start for c in wl.clients]), wl, None,
+                     os.fspath(path), fmt)
     if fmt != "tokens":
         raise ValueError(f"format must be 'mooncake' or 'tokens', got {fmt!r}")
     from .._backend import backend
 
     bs = block_size or 16
+    prompts, times, outs = _read_token_lines(path, limit, output_tokens)
+    if not any(times):
+        step = 1.0 / (rate or 1.0)
+        times = [i * step for i in range(len(prompts))]
+    hashes = [backend.block_hashes(p, bs) for p in prompts]
+    clients = tuple(Client(t, (Turn(h, len(p), o, h),)) for h, p, t, o in zip(hashes, prompts, times, outs))
+    wl = Workload("tokens", bs, clients, f"{os.path.basename(os.fspath(path))}: {len(prompts)} prompts")
+    return Trace(build([(h, len(p), True) for h, p in zip(hashes, prompts)], bs, arrival=times), wl, prompts,
+                 os.fspath(path), fmt)
+
+
+def _read_token_lines(path: str | os.PathLike[str], limit: int | None,
+                      output_tokens: int) -> tuple[list[np.ndarray], list[float], list[int]]:
     prompts: list[np.ndarray] = []
     times: list[float] = []
+    outs: list[int] = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if limit is not None and len(prompts) >= limit:
@@ -166,19 +195,21 @@ def read_jsonl(path: str | os.PathLike[str], fmt: str = "mooncake", *, block_siz
                 continue
             try:
                 rec = json.loads(line)
-                ts = 0.0
+                ts, out = 0.0, output_tokens
                 if isinstance(rec, dict):
                     ts = float(rec.get("timestamp", 0.0)) / 1000.0
+                    out = int(rec.get("output_length", output_tokens))
                     rec = rec["tokens"]
                 toks = np.asarray(rec, dtype=np.int64)
-                if toks.ndim != 1:
-                    raise ValueError("tokens must be a flat list of ints")
+                if toks.ndim != 1 or out < 1:
+                    raise ValueError("tokens must be a flat list of ints and output_length >= 1")
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a token-id prompt ({exc})") from None
             prompts.append(toks)
             times.append(ts)
-    ops = [(backend.block_hashes(p, bs), len(p), True) for p in prompts]
-    return build(ops, bs, arrival=times), prompts
+            outs.append(out)
+    order = np.argsort(np.asarray(times), kind="stable")
+    return [prompts[i] for i in order], [times[i] for i in order], [outs[i] for i in order]
 
 
-__all__ = ["BlockStream", "build", "from_workload", "read_jsonl"]
+__all__ = ["BlockStream", "Trace", "build", "from_workload", "read_jsonl"]
