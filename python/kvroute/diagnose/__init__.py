@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+from .live import Diagnostics
 from .mrc import Curve, Shards, default_sizes, estimate, exact_hit_rate, fleet_hit_rate, per_replica
 from .stream import BlockStream, from_workload, read_jsonl
 
-__all__ = ["BlockStream", "Curve", "Shards", "default_sizes", "estimate", "exact_hit_rate", "fleet_hit_rate",
+__all__ = ["BlockStream", "Curve", "Diagnostics", "Shards", "default_sizes", "estimate", "exact_hit_rate", "fleet_hit_rate",
            "from_workload", "per_replica", "read_jsonl"]
