@@ -1,128 +1,154 @@
-"""The ideal fleet: the limit no router can beat at the same size.
+"""The ideal fleet: the limit every router is measured against, at the same size.
 
-One shared prefix cache with the fleet's total KV memory (replicas x cache_tokens, one
-kvroute.PrefixIndex of that many blocks), and one central FIFO queue from which any idle
-replica takes the next request. Every other part is the fleet model's (kvroute.sim.fleet,
-FleetParams): a request's prefill takes uncached tokens / prefill_rate + prefill_overhead
-on the replica that took it; its prompt's blocks enter the cache when its prefill
-finishes (its first token), its output's when it completes; decode runs beside prefill.
-No request waits while a replica is idle, and none misses a prefix that any replica has
-cached: a router that places requests on N separate caches can only split the cache and
-queue behind a busy replica. Not a strict bound on every run: LRU is not an optimal
-replacement policy, so splitting the cache can, rarely, keep a block that one pooled LRU
-evicts (a fraction above 1 then shows it), and a scheduler that reorders the queue by
-cache could beat FIFO on TTFT; FIFO and LRU are what engines run.
+One shared prefix cache holding the fleet's total KV memory, and one central queue from
+which any idle replica takes the next request. Built from the fleet model's own parts
+(kvroute.sim.fleet, kvroute.sim.engine), so only those two things differ:
 
-`kvroute simulate` and docs/results.md show each router as a fraction of it:
-hit rate / ideal hit rate, ideal p90 TTFT / p90 TTFT (1.0 = as fast as the ideal).
+- KV memory: the replicas' engines share one pool of replicas x cache_tokens blocks (one
+  free queue, one hash table, one LRU order): a block any replica computed is a prefix
+  hit on every replica, and a replica may hold more than its share while others hold
+  less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
+  so a request is still computed by one replica at one replica's speed.
+- Queue: requests wait in one FIFO queue; a replica takes the head whenever it has no
+  request waiting of its own and fewer than max_num_seqs running (one with no step in
+  flight first, then the fewest running, then the lowest index). No request waits behind a busy replica while another
+  has room, and no router decision is made.
+
+Not a strict bound on every run: LRU is not optimal, so splitting the cache can, rarely,
+keep a block one pooled LRU evicts, and a queue reordered by cache could beat FIFO on
+TTFT; a fraction above 1 shows it. FIFO and LRU are what engines run.
+
+`simulate_ideal()` returns a SimResult like kvroute.sim.simulate (router name "ideal");
+`fraction_of_ideal()` expresses a run against it: hit rate / ideal hit rate, ideal p90
+TTFT / p90 TTFT (1.0 = as fast as the ideal), goodput / ideal goodput when measured.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import deque
 from typing import Any
 
-import numpy as np
-
-from .._backend import backend
-from . import metrics as _metrics
-from .fleet import FleetParams, Record, SimResult
+from .engine import Engine, EngineConfig, EngineRequest
+from .fleet import FleetParams, SimResult, _Request, _Run
 from .workloads import Workload
 
-_ARRIVE, _PREFILL_END, _DECODE_END = range(3)
+
+class _Counters:
+    __slots__ = ("stores", "evictions")
+
+    def __init__(self) -> None:
+        self.stores = 0
+        self.evictions = 0
 
 
-def simulate_ideal(workload: Workload, fleet: FleetParams | None = None, *, impl: Any = None) -> SimResult:
-    """Run `workload` on the ideal fleet of fleet.replicas replicas (see the module
-    docstring). Records carry the replica that served each request."""
+class _PooledEngine(Engine):
+    """An Engine whose KV block pool (blocks, hashes, free queue, cache) is shared with
+    the other engines built on the same `pool` engine."""
+
+    def __init__(self, config: EngineConfig, pool: _PooledEngine | None = None) -> None:
+        self._shared = pool._shared if pool is not None else _Counters()
+        super().__init__(config)
+        if pool is not None:
+            self._ref, self._hash, self._free = pool._ref, pool._hash, pool._free
+            self._cached, self._extra = pool._cached, pool._extra
+
+    # The admission memo compares cache versions: they must count every engine's changes.
+    @property  # type: ignore[override]
+    def _n_stores(self) -> int:
+        return self._shared.stores
+
+    @_n_stores.setter
+    def _n_stores(self, value: int) -> None:
+        self._shared.stores = value
+
+    @property  # type: ignore[override]
+    def _n_evictions(self) -> int:
+        return self._shared.evictions
+
+    @_n_evictions.setter
+    def _n_evictions(self, value: int) -> None:
+        self._shared.evictions = value
+
+    def reset_prefix_cache(self) -> bool:
+        """Not supported on a shared pool (it would replace the shared hash table)."""
+        raise NotImplementedError("the ideal fleet's shared cache is never reset")
+
+
+class _IdealRun(_Run):
+    """The fleet's event loop with pooled engines and a central FIFO queue."""
+
+    def __init__(self, workload: Workload, fleet: FleetParams) -> None:
+        super().__init__(workload, fleet, None, False, lambda c, t, now: 0, None)
+        n = fleet.replicas
+        one = fleet.engine_config(workload.block_tokens)
+        cfg = EngineConfig(**{**one.__dict__, "num_kv_blocks": one.num_kv_blocks * n})
+        first = _PooledEngine(cfg)
+        self.engines = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        self.central: deque[tuple[int, _Request]] = deque()
+
+    def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
+        req = _Request(c_idx, t_idx, now)
+        self.requests.append(req)
+        self.central.append((len(self.requests) - 1, req))
+        self._dispatch(now)
+
+    def _step_end(self, r: int, res: Any, now: float) -> None:
+        super()._step_end(r, res, now)
+        self._dispatch(now)
+
+    def _dispatch(self, now: float) -> None:
+        central = self.central
+        limit = self.fleet.max_num_seqs
+        while central:
+            # An engine's state is its in-flight step's end: prefer replicas with no step
+            # in flight, then the fewest running, then the lowest index.
+            best, best_key = -1, (2, limit)
+            for r, eng in enumerate(self.engines):
+                waiting, running, _ = eng.load()
+                key = (int(self.busy[r]), running)
+                if waiting == 0 and running < limit and key < best_key:
+                    best, best_key = r, key
+            if best < 0:
+                return
+            rid, req = central.popleft()
+            req.replica = best
+            turn = self.wl.clients[req.client].turns[req.turn]
+            self.engines[best].add_request(
+                EngineRequest(str(rid), None, turn.output_tokens, req.arrival, block_hashes=turn.after_hashes,
+                              num_prompt_tokens=turn.prompt_tokens), now)
+            if not self.busy[best]:
+                self._start_step(best, now)
+
+
+def simulate_ideal(workload: Workload, fleet: FleetParams | None = None) -> SimResult:
+    """Run `workload` on the ideal fleet of fleet.replicas replicas (module docstring)."""
     fleet = fleet or FleetParams()
+    run = _IdealRun(workload, fleet)
     started, cpu_started = time.perf_counter(), time.process_time()
-    n = fleet.replicas
-    bt = workload.block_tokens
-    cache = (impl or backend).PrefixIndex(1, capacity=fleet.cache_blocks(bt) * n)
-    rate, overhead, tpot = float(fleet.prefill_rate), float(fleet.prefill_overhead), float(fleet.time_per_output_token)
-    clients = workload.clients
-    heap: list[tuple[float, int, int, Any]] = [(float(c.start), i, _ARRIVE, (i, 0))
-                                               for i, c in enumerate(clients) if c.turns]
-    heapq.heapify(heap)
-    seq = len(heap)
-    queue: deque[list[Any]] = deque()
-    idle = list(range(n))  # a heap: the lowest idle replica takes the next request
-    rows: list[list[Any]] = []  # client, turn, arrival, replica, start, cached, ttft, prefill_s
-    now = 0.0
-
-    def start(row: list[Any], t: float) -> None:
-        nonlocal seq
-        turn = clients[row[0]].turns[row[1]]
-        m = int(cache.match(turn.hashes)[0])
-        if m:
-            cache.touch(0, turn.hashes[:m], t)
-        row[3], row[4] = heapq.heappop(idle), t
-        row[5] = min(m * bt, turn.prompt_tokens)
-        row[7] = (turn.prompt_tokens - row[5]) / rate + overhead
-        heapq.heappush(heap, (t + row[7], seq, _PREFILL_END, row))
-        seq += 1
-
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        if kind == _ARRIVE:
-            row = [payload[0], payload[1], now, -1, math.nan, 0, math.nan, 0.0]
-            rows.append(row)
-            queue.append(row)
-        elif kind == _PREFILL_END:
-            turn = clients[payload[0]].turns[payload[1]]
-            payload[6] = now - payload[2]
-            cache.insert(0, turn.hashes, now)
-            heapq.heappush(idle, payload[3])
-            heapq.heappush(heap, (now + turn.output_tokens * tpot, seq, _DECODE_END, payload))
-            seq += 1
-        else:
-            client = clients[payload[0]]
-            cache.insert(0, client.turns[payload[1]].after_hashes, now)
-            if payload[1] + 1 < len(client.turns):
-                nxt = client.turns[payload[1] + 1]
-                heapq.heappush(heap, (now + nxt.think_time, seq, _ARRIVE, (payload[0], payload[1] + 1)))
-                seq += 1
-        # Same-time events first, so a replica freed at t takes the longest-waiting request.
-        while queue and idle and not (heap and heap[0][0] == now):
-            start(queue.popleft(), now)
-    return _result(workload, fleet, rows, now, started, cpu_started)
-
-
-def _result(workload: Workload, fleet: FleetParams, rows: list[list[Any]], now: float, started: float,
-            cpu_started: float) -> SimResult:
-    clients = workload.clients
-    col = list(zip(*rows)) if rows else [()] * 8
-    turns = [clients[c].turns[k] for c, k in zip(col[0], col[1])]
-    rec = Record(
-        client=np.array(col[0], dtype=np.int64), turn=np.array(col[1], dtype=np.int64),
-        first=np.array([t.first for t in turns], dtype=bool), arrival=np.array(col[2], dtype=np.float64),
-        replica=np.array(col[3], dtype=np.int64), start=np.array(col[4], dtype=np.float64),
-        prompt_tokens=np.array([t.prompt_tokens for t in turns], dtype=np.int64),
-        cached_tokens=np.array(col[5], dtype=np.int64),
-        predicted_cached_tokens=np.array(col[5], dtype=np.int64),
-        ttft=np.array(col[6], dtype=np.float64), prefill_s=np.array(col[7], dtype=np.float64),
-    )
-    m = _metrics.compute(prompt_tokens=rec.prompt_tokens, cached_tokens=rec.cached_tokens, ttft=rec.ttft,
-                         first_turn=rec.first, replica=rec.replica, prefill_s=rec.prefill_s,
-                         num_replicas=fleet.replicas, makespan_s=now)
+    run.loop()
+    rec, m = run.measure()
     return SimResult("ideal", workload.name, m, rec, {}, time.perf_counter() - started,
-                     time.process_time() - cpu_started)
+                     time.process_time() - cpu_started, (run.engines[0].stats(),))
 
 
 def fraction_of_ideal(result: SimResult, ideal: SimResult) -> dict[str, float]:
     """A run as a fraction of the ideal: hit_rate (its / ideal's), ttft_p90 and
-    ttft_mean (ideal's / its: 1.0 = as fast as the ideal), each nan when undefined."""
+    ttft_mean (ideal's / its: 1.0 = as fast as the ideal), goodput (its / ideal's, when
+    the metrics have one); nan when undefined."""
     a, b = result.metrics, ideal.metrics
 
-    def ratio(x: float, y: float) -> float:
-        return x / y if y and not (math.isnan(x) or math.isnan(y)) else math.nan
+    def ratio(x: float | None, y: float | None) -> float:
+        if x is None or y is None or math.isnan(x) or math.isnan(y) or y == 0:
+            return math.nan
+        return x / y
 
-    return {"hit_rate": ratio(a.hit_rate, b.hit_rate), "ttft_p90": ratio(b.ttft_p90, a.ttft_p90),
-            "ttft_mean": ratio(b.ttft_mean, a.ttft_mean)}
+    out = {"hit_rate": ratio(a.hit_rate, b.hit_rate), "ttft_p90": ratio(b.ttft_p90, a.ttft_p90),
+           "ttft_mean": ratio(b.ttft_mean, a.ttft_mean)}
+    if hasattr(a, "goodput"):
+        out["goodput"] = ratio(getattr(a, "goodput"), getattr(b, "goodput"))
+    return out
 
 
 __all__ = ["fraction_of_ideal", "simulate_ideal"]
