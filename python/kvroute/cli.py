@@ -122,6 +122,36 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_cli.run(args)
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .diagnose import report
+    from .diagnose.stream import read_jsonl
+
+    if not os.path.exists(args.trace):
+        raise ValueError(f"trace file {args.trace!r} does not exist")
+    trace = read_jsonl(args.trace, args.format, block_size=args.block_size, limit=args.limit)
+    decode = None
+    if args.format == "tokens":
+        from .tokenize import load_tokenizer
+
+        decode = load_tokenizer(args.tokenizer).decode
+    params = report.DiagnoseParams(replicas=args.replicas, cache_tokens=args.cache_tokens, router=args.router,
+                                   simulate=not args.no_simulate, decode=decode)
+    say = (lambda msg: print(f"kvroute diagnose: {msg}...", file=sys.stderr)) if sys.stderr.isatty() else None
+    result = report.diagnose(trace, params, progress=say)
+    if args.plot:
+        report.plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(report.render_text(result))
+        if args.plot:
+            print(f"miss-ratio curve: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=kvroute.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvroute {kvroute.__version__}")
@@ -170,6 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p_serve)
     p_serve.set_defaults(func=_cmd_serve)
+    p_diag = sub.add_parser("diagnose", help="why a trace's prefix-cache hit rate is what it is (kvroute.diagnose)")
+    p_diag.add_argument("trace", help="a Mooncake JSONL trace, or a JSONL of token-id prompts (--format tokens)")
+    p_diag.add_argument("--format", default="mooncake", choices=("mooncake", "tokens"))
+    p_diag.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default: 512 for mooncake, 16 for tokens)")
+    p_diag.add_argument("--replicas", type=int, default=8)
+    p_diag.add_argument("--cache-tokens", type=int, default=None, help="KV cache per replica in tokens")
+    p_diag.add_argument("--router", default="ttft", help="the router whose placements split the cache (default ttft)")
+    p_diag.add_argument("--tokenizer", default=None, help="tokenizer folder for the volatile-prefix text (default: bytes)")
+    p_diag.add_argument("--limit", type=int, default=None, help="read only the first N requests")
+    p_diag.add_argument("--no-simulate", action="store_true", help="skip the simulated replay (TTFT, ideal, split)")
+    p_diag.add_argument("--plot", metavar="FILE.png", help="draw the miss-ratio curves")
+    p_diag.add_argument("--json", action="store_true", help="print every number as JSON")
+    p_diag.set_defaults(func=_cmd_diagnose)
     return parser
 
 
