@@ -45,7 +45,7 @@ std::int64_t replica_arg(const EventApplier& a, py::handle obj) {
 std::optional<std::string> medium_arg(py::handle obj) {
     if (obj.is_none()) return std::nullopt;
     if (!PyUnicode_Check(obj.ptr())) throw TypeError("medium must be a str or None, got " + type_name(obj));
-    return obj.cast<std::string>();
+    return utf8_arg(obj, "medium");
 }
 
 std::shared_ptr<EventApplier> make_applier(py::handle index, py::handle block_size, py::handle salt,

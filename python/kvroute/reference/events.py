@@ -82,6 +82,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .args import check_text
 from .hashing import chain_keyed, check_block_size, keyed_root, salt_bytes, tokens_as_uint32
 from .index import MAX_ENGINE_BLOCK, PrefixIndex, as_hash, as_hashes
 
@@ -786,6 +787,8 @@ class EventApplier:
     def _medium_arg(medium: Any) -> None:
         if medium is not None and not isinstance(medium, str):
             raise TypeError(f"medium must be a str or None, got {type(medium).__name__}")
+        if medium is not None:
+            check_text(medium, "medium")
 
     def _medium_limit(self, medium: str | None) -> None:
         if medium is not None and medium not in self._media and len(self._media) >= MAX_MEDIA:
