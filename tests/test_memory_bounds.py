@@ -100,7 +100,6 @@ def _stored_event_flood(M, n: int):
     return index, applier
 
 
-@pytest.mark.xfail(strict=True, reason="event maps follow index evictions on branch applier")
 def test_stored_event_flood_maps_follow_index_capacity(impl):
     index, applier = _stored_event_flood(impl, 3000)
     st = applier.replica_stats(0)
