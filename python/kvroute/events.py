@@ -384,6 +384,8 @@ class Subscriber:
                         self._guard(t, t.follower.tick, now)
                     self._cond.notify_all()
         finally:
+            for t in self._tracks.values():
+                t.dealer = None  # closed below; a later start() opens fresh ones
             for s, (kind, _) in list(self._socks.items()):
                 if kind == "live":
                     s.disable_monitor()
@@ -429,7 +431,8 @@ class Subscriber:
     def _on_monitor(self, t: _Track, frames: list[bytes]) -> None:
         t.connects += 1
         if t.connects > 1:
-            self._guard(t, t.follower.on_reconnect, time.monotonic())
+            self._guard(t, lambda now: t.follower.on_reconnect(now, exclusive=not t.source.bind),
+                        time.monotonic())
 
     def _on_reply(self, t: _Track, frames: list[bytes]) -> None:
         got = _reply(frames)
