@@ -13,8 +13,6 @@ lost (no resync since the process started) it has applied all of that process's 
 
 from __future__ import annotations
 
-import os
-
 from collections import deque
 
 from hypothesis import settings
@@ -148,6 +146,6 @@ class FollowerVsPublisher(RuleBasedStateMachine):
         assert self.f.buffered_bytes <= self.f._cap
 
 
-FollowerVsPublisher.TestCase.settings = settings(max_examples=int(os.environ.get("FOLLOW_EXAMPLES", 300)), stateful_step_count=40,
-                                                 deadline=None)
+# Pure Python and fast: the profile's example count (HYPOTHESIS_PROFILE), longer runs.
+FollowerVsPublisher.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 test_follower_vs_publisher = FollowerVsPublisher.TestCase
