@@ -321,15 +321,20 @@ void register_router(py::module_& m) {
              },
              "Counters: decisions, tokens, rebinds, sessions, requests in flight.")
         .def("route",
-             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now) {
+             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now, py::handle lora,
+                py::handle cache_salt, py::handle mm) {
                  TokenView view = tokens_as_uint32(tokens);
+                 const RequestKeys keys = request_keys(lora, cache_salt, mm);
                  const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
+                 const CacheKeys k{keys.lora, keys.cache_salt, keys.mm.data(), keys.mm.size()};
                  py::gil_scoped_release release;  // hashing and the index walk loop over the prompt
-                 return r.core->route_tokens(view.data(), view.size(), s, t);
+                 return r.core->route_tokens(view.data(), view.size(), k, s, t);
              },
              py::arg("tokens"), py::kw_only(), py::arg("session") = py::none(), py::arg("now") = py::none(),
-             "Route a prompt of token ids (hashed with config.block_size and config.salt).")
+             py::arg("lora") = py::none(), py::arg("cache_salt") = py::none(), py::arg("mm") = py::none(),
+             "Route a prompt of token ids, hashed with config.block_size and config.salt and the request's "
+             "cache keys (lora, cache_salt, mm: as block_hashes takes them).")
         .def("route_hashes",
              [](PyRouter& r, py::handle hashes, py::handle num_tokens, py::handle session, py::handle now) {
                  HashView view = as_hashes(hashes, "hashes");
