@@ -126,9 +126,9 @@ def test_lone_surrogates_are_a_clear_value_error_in_both():
         r = m.Router(RouterConfig(), ["a"])
         return r.route_hashes([1], 16, session="ok\ud800")
 
-    assert same(session) == ("raise", ("ValueError", "session must be valid Unicode text, got a lone surrogate at index 2"))
+    assert same(session) == ("raise", ("ValueError", "session must be encodable as UTF-8, got a lone surrogate at index 2"))
     got = same(lambda m: m.Router(RouterConfig(), ["\udc00x"]))
-    assert got == ("raise", ("ValueError", "replica name must be valid Unicode text, got a lone surrogate at index 0"))
+    assert got == ("raise", ("ValueError", "replica name must be encodable as UTF-8, got a lone surrogate at index 0"))
 
 
 # -- 9. the sticky ring is updated per change, and equals one built from scratch ----------

@@ -22,23 +22,9 @@ namespace py = pybind11;
 namespace kvroute::bindings {
 namespace {
 
-// A str as UTF-8; ValueError naming the first lone surrogate (which json.loads can produce
-// and UTF-8 cannot hold), as the reference's _text.
-std::string utf8_arg(const char* what, py::handle h) {
-    Py_ssize_t size = 0;
-    const char* data = PyUnicode_AsUTF8AndSize(h.ptr(), &size);
-    if (data != nullptr) return std::string(data, static_cast<std::size_t>(size));
-    PyErr_Clear();
-    Py_ssize_t i = 0;
-    const Py_ssize_t n = PyUnicode_GET_LENGTH(h.ptr());
-    while (i < n && !Py_UNICODE_IS_SURROGATE(PyUnicode_READ_CHAR(h.ptr(), i))) ++i;
-    throw ValueError(std::string(what) + " must be valid Unicode text, got a lone surrogate at index " +
-                     std::to_string(i));
-}
-
 std::string name_arg(py::handle h) {
     if (!PyUnicode_Check(h.ptr())) throw TypeError("replica name must be a str, got " + type_name(h));
-    return utf8_arg("replica name", h);
+    return utf8_arg(h, "replica name");
 }
 
 bool flag_arg(const char* what, py::handle h) {
@@ -80,7 +66,7 @@ std::optional<double> now_arg(py::handle h) {
 std::optional<std::string> session_arg(py::handle h, std::size_t max_bytes) {
     if (h.is_none()) return std::nullopt;
     if (!PyUnicode_Check(h.ptr())) throw TypeError("session must be a str or None, got " + type_name(h));
-    std::string s = utf8_arg("session", h);
+    std::string s = utf8_arg(h, "session");
     if (s.size() > max_bytes)
         throw ValueError("session must be at most " + std::to_string(max_bytes) +
                          " bytes (max_session_bytes), got " + std::to_string(s.size()));

@@ -66,6 +66,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .args import check_text
 from .hashing import block_hashes, tokens_as_uint32
 from .index import MAX_ENGINE_BLOCK, PrefixIndex, _now, as_hashes
 from .policies import Policy, SplitMix64, View, fnv1a64, make_policy, mix64
@@ -147,11 +148,7 @@ class _Picked:
 def _text(what: str, value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{what} must be a str, got {type(value).__name__}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} must be valid Unicode text, got a lone surrogate at index {exc.start}") from None
-    return value
+    return check_text(value, what)
 
 
 def _name(name: Any) -> str:
