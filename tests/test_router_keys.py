@@ -92,3 +92,41 @@ def test_keyed_routes_decide_identically_in_both():
         return out
 
     assert same(run)[0] == "ok"
+
+
+# -- the event applier's hashes for the same requests --------------------------------------
+
+ENGINE_PROMPT = list(range(5000, 5128))  # 8 router blocks
+
+
+def _batch(events):
+    import msgspec
+
+    return msgspec.msgpack.Encoder().encode([1.0, events, 0])
+
+
+@pytest.mark.parametrize("fmt", ["vllm-array", "vllm-map", "sglang-map"])
+def test_router_matches_what_the_event_applier_stored_under_the_same_keys(impl, fmt):
+    from kv_keys import stored
+
+    r = impl.Router(RouterConfig(policy="ttft", block_size=BS, mode="precise", salt="fleet",
+                                 params={"min_match_tokens": 0}), ["plain", "lora", "salted"])
+    applier = impl.EventApplier(r.index, BS, salt="fleet")
+    lora = None if fmt.startswith("sglang") else "adapter-a"  # SGLang events carry no LoRA name
+    applier.apply(0, _batch([stored(fmt, [1], None, ENGINE_PROMPT, 128)]))
+    applier.apply(1, _batch([stored(fmt, [2], None, ENGINE_PROMPT, 128, lora=lora)]))
+    applier.apply(2, _batch([stored(fmt, [3], None, ENGINE_PROMPT, 128, salt="tenant-1")]))
+    holders = {"plain": 8, "lora": 0 if lora else 8, "salted": 0}  # who holds the unkeyed chain
+    cases = [({}, holders), ({"cache_salt": "tenant-1"}, {"plain": 0, "lora": 0, "salted": 8})]
+    if lora:
+        cases.append(({"lora": lora}, {"plain": 0, "lora": 8, "salted": 0}))
+    for keys, want in cases:
+        d = r.route(ENGINE_PROMPT, **keys)
+        r.finish(d.handle)
+        assert want[d.replica] == d.matched_blocks == 8, keys
+        hashes = impl.block_hashes(ENGINE_PROMPT, BS, salt="fleet", **keys).tolist()
+        assert r.index.match(hashes).tolist() == list(want.values())
+    # Learned from the events: engine blocks of 128 tokens are 8 router blocks.
+    assert [r.engine_block(n) for n in ("plain", "lora", "salted")] == [8, 8, 8]
+    d = r.route(ENGINE_PROMPT[:120], cache_salt="tenant-1")  # 7 router blocks: no whole engine block
+    assert d.matched_blocks == 0
