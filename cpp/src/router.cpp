@@ -371,9 +371,10 @@ Router::Impl::Picked Router::Impl::pick(const DecisionView& v, const std::option
 }
 
 void Router::Impl::touch_recency(std::uint32_t chosen) {
+    chosen_once[chosen] = 1;
+    if (recency.back() == chosen) return;  // chosen again (affinity): already the most recent
     recency.erase(std::find(recency.begin(), recency.end(), chosen));
     recency.push_back(chosen);
-    chosen_once[chosen] = 1;
 }
 
 std::int64_t Router::Impl::reserve(std::uint32_t chosen, std::int64_t matched, std::size_t pb,
