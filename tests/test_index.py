@@ -456,3 +456,49 @@ def test_numpy_scalars_as_arguments(impl):
     assert ix.match([A, B]).tolist() == [0, 2]  # replica 0 holds B but not A
     assert ix.remove(np.int64(1), (A,)) == 1
     assert ix.touch(0, [A, B], now=np.int64(3)) == 1
+
+
+# --- C2: engine block per replica -------------------------------------------------------------
+
+
+def test_engine_block_rounds_match_down(impl):
+    ix = impl.PrefixIndex(3)
+    chain = list(range(1, 8))
+    for r in range(3):
+        ix.insert(r, chain[: 5 + r], 0.0)
+    assert ix.engine_block(1) == 1
+    ix.set_engine_block(1, 2)
+    ix.set_engine_block(2, 4)
+    assert ix.engine_block(1) == 2 and ix.engine_block(2) == 4
+    assert ix.match(chain).tolist() == [5, 6, 4]
+    assert ix.match(chain[:3]).tolist() == [3, 2, 0]
+    ix.set_engine_block(2, 1)
+    assert ix.match(chain).tolist() == [5, 6, 7]
+
+
+def test_engine_block_resets_with_a_reused_id(impl):
+    ix = impl.PrefixIndex(2)
+    ix.set_engine_block(1, 3)
+    ix.remove_replica(1)
+    assert ix.add_replica() == 1
+    assert ix.engine_block(1) == 1
+
+
+@pytest.mark.parametrize("k", [0, -1, 65537, 2**70, 1.0, True, "2", None])
+def test_engine_block_bad_k_same_error(k):
+    def call(m):
+        ix = m.PrefixIndex(1)
+        try:
+            ix.set_engine_block(0, k)
+        finally:
+            assert ix.engine_block(0) == 1
+    kind, _ = same(call)
+    assert kind == "raise"
+
+
+@pytest.mark.parametrize("r", [5, -1, 1.5])
+def test_engine_block_bad_replica_same_error(r):
+    kind, _ = same(lambda m: m.PrefixIndex(2).set_engine_block(r, 2))
+    assert kind == "raise"
+    kind, _ = same(lambda m: m.PrefixIndex(2).engine_block(r))
+    assert kind == "raise"

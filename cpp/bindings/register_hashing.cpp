@@ -74,19 +74,43 @@ std::uint64_t hash_bytes(py::handle data, py::handle seed) {
     return xxh3_64(copy.data(), len, s);
 }
 
-py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size, py::handle salt) {
+/// block_hashes with per-request keys: tokens are checked and narrowed first (the keyed chain
+/// reads uint32), then hashed block by block with each block's items appended.
+py::array_t<std::uint64_t> keyed_block_hashes(const TokenView& view, std::size_t size, const std::string& salt,
+                                              const RequestKeys& keys) {
+    view.check();
+    std::vector<std::uint32_t> narrow;
+    const std::uint32_t* data = view.data();
+    if (view.wide() != nullptr) {
+        narrow.resize(view.size());
+        for (std::size_t i = 0; i < view.size(); ++i) narrow[i] = static_cast<std::uint32_t>(view.wide()[i]);
+        data = narrow.data();
+    }
+    const std::size_t count = view.size() / size;
+    py::array_t<std::uint64_t> out(static_cast<py::ssize_t>(count));
+    const std::uint64_t root = keys.root(root_hash(salt.data(), salt.size()));
+    chain_hashes_keyed(data, view.size(), size, root, 0, keys.mm.data(), keys.mm.size(), out.mutable_data());
+    return out;
+}
+
+py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size, py::handle salt,
+                                        py::handle lora, py::handle cache_salt, py::handle mm) {
     // Same check order as the reference, so that the first error reported is the same.
     const std::size_t size = check_block_size(block_size);
     // int32 and 64-bit tokens are range-checked inside the hashing pass below, not in a pass
     // of their own; 64-bit ones are narrowed there too, a chunk at a time.
     const TokenView view = tokens_as_uint32(tokens, /*defer_check=*/true);
     std::string salt_data;
+    RequestKeys keys;
     try {
         salt_data = salt_bytes(salt);
+        keys = request_keys(lora, cache_salt, mm);
     } catch (...) {
-        view.check();  // a bad token outranks a bad salt, as in the reference
+        view.check();  // a bad token outranks a bad salt or key, as in the reference
         throw;
     }
+    if (!keys.lora.empty() || !keys.cache_salt.empty() || !keys.mm.empty())
+        return keyed_block_hashes(view, size, salt_data, keys);
     const std::size_t count = view.size() / size;
     py::array_t<std::uint64_t> out(static_cast<py::ssize_t>(count));
     std::uint64_t* dst = out.mutable_data();
@@ -123,7 +147,8 @@ void register_hashing(py::module_& m) {
     m.def("xxh3_64", &hash_bytes, py::arg("data"), py::arg("seed") = 0,
           "XXH3-64 of a bytes-like object with a 64-bit seed.");
     m.def("block_hashes", &block_hashes, py::arg("tokens"), py::arg("block_size") = 16, py::kw_only(),
-          py::arg("salt") = py::none(),
+          py::arg("salt") = py::none(), py::arg("lora") = py::none(), py::arg("cache_salt") = py::none(),
+          py::arg("mm") = py::none(),
           "Chained XXH3-64 hashes of the full blocks of `tokens`, as a uint64 array.");
 }
 

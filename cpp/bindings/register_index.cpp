@@ -227,6 +227,25 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
             },
             py::arg("replica"), "The hashes the replica holds, sorted ascending (uint64 array).")
         .def(
+            "set_engine_block",
+            [](PrefixIndex& ix, py::handle replica, py::handle k) {
+                const std::int64_t r = replica_arg(ix, replica);
+                py::object index = as_index(k);
+                if (!index) throw TypeError("k must be an int, got " + type_name(k));
+                int overflow = 0;
+                const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+                if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+                if (overflow != 0 || v < 1 || static_cast<unsigned long long>(v) > PrefixIndex::kMaxEngineBlock)
+                    throw ValueError("k must be in [1, " + std::to_string(PrefixIndex::kMaxEngineBlock) + "], got " +
+                                     py::str(index).cast<std::string>());
+                ix.set_engine_block(r, static_cast<std::uint64_t>(v));
+            },
+            py::arg("replica"), py::arg("k"),
+            "The replica's engine blocks span k router blocks: match() rounds its answer down to a multiple of k.")
+        .def(
+            "engine_block", [](const PrefixIndex& ix, py::handle replica) { return ix.engine_block(replica_arg(ix, replica)); },
+            py::arg("replica"), "Router blocks per engine block of the replica (1 unless set).")
+        .def(
             "blocks", [](const PrefixIndex& ix, py::handle replica) { return ix.blocks(replica_arg(ix, replica)); },
             py::arg("replica"), "Number of blocks the replica holds.")
         .def(

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "kvroute/hash.hpp"
+
 namespace kvroute::bindings {
 
 #if defined(__GNUC__)
@@ -63,5 +65,19 @@ std::size_t check_block_size(pybind11::handle block_size);
 
 /// The bytes a root hash is taken over: empty for None, UTF-8 for str, raw for bytes-likes.
 std::string salt_bytes(pybind11::handle salt);
+
+/// Per-request cache keys of the hash contract (C1), converted from Python arguments.
+struct KVROUTE_BINDING_HIDDEN RequestKeys {
+    std::string lora;                 ///< UTF-8 LoRA adapter name ("" when none)
+    std::string cache_salt;           ///< UTF-8 cache salt ("" when none)
+    std::vector<std::string> ids;     ///< multimodal identifiers (storage for mm)
+    std::vector<MmKey> mm;            ///< items sorted by offset (stable), views into ids
+    /// Root of the chain for this request, from the salt's root r0.
+    std::uint64_t root(std::uint64_t r0) const { return keyed_root(r0, lora, cache_salt); }
+};
+
+/// lora / cache_salt (str or None) and mm (None or a sequence of (identifier: str, offset:
+/// int >= 0, length: int >= 1)) as RequestKeys; the reference's TypeError/ValueError.
+RequestKeys request_keys(pybind11::handle lora, pybind11::handle cache_salt, pybind11::handle mm);
 
 }  // namespace kvroute::bindings

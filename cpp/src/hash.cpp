@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -303,6 +304,65 @@ std::uint64_t xxh3_64(const void* data, std::size_t len, std::uint64_t seed) noe
 }
 
 std::uint64_t root_hash(const void* salt, std::size_t len) noexcept { return xxh3_64(salt, len, 0); }
+
+namespace {
+
+void append_u32le(std::string& out, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+
+void append_u64le(std::string& out, std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+
+void append_key(std::string& out, char tag, std::string_view value) {
+    out.push_back(tag);
+    append_u32le(out, static_cast<std::uint32_t>(value.size()));
+    out.append(value.data(), value.size());
+}
+
+}  // namespace
+
+void append_mm_key(std::string& out, const MmKey& item) {
+    append_key(out, 'M', item.id);
+    append_u64le(out, item.offset);
+}
+
+std::uint64_t keyed_root(std::uint64_t r0, std::string_view lora, std::string_view cache_salt) {
+    if (lora.empty() && cache_salt.empty()) return r0;
+    std::string k;
+    if (!lora.empty()) append_key(k, 'L', lora);
+    if (!cache_salt.empty()) append_key(k, 'C', cache_salt);
+    return xxh3_64(k.data(), k.size(), r0);
+}
+
+std::size_t chain_hashes_keyed(const std::uint32_t* tokens, std::size_t n_tokens, std::size_t block_size,
+                               std::uint64_t seed, std::uint64_t start_pos, const MmKey* items,
+                               std::size_t n_items, std::uint64_t* out) {
+    if (block_size == 0) return 0;
+    const std::size_t count = n_tokens / block_size;
+    std::size_t next = 0;  // first item not yet hashed
+    std::string payload;
+    for (std::size_t b = 0; b < count;) {
+        const std::uint64_t begin = start_pos + b * block_size;
+        while (next < n_items && items[next].offset < begin) ++next;  // before this call's range
+        if (next == n_items || items[next].offset >= begin + block_size) {
+            // Blocks up to the next item's block carry no keys: the plain chain.
+            std::size_t plain = count - b;
+            if (next < n_items) plain = std::min<std::size_t>(plain, (items[next].offset - begin) / block_size);
+            chain_hashes(tokens + b * block_size, plain * block_size, block_size, seed, out + b);
+            b += plain;
+            seed = out[b - 1];
+            continue;
+        }
+        payload.clear();
+        for (std::size_t t = 0; t < block_size; ++t) append_u32le(payload, tokens[b * block_size + t]);
+        for (; next < n_items && items[next].offset < begin + block_size; ++next) append_mm_key(payload, items[next]);
+        seed = xxh3_64(payload.data(), payload.size(), seed);
+        out[b++] = seed;
+    }
+    return count;
+}
 
 namespace {
 

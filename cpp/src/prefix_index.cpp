@@ -299,6 +299,7 @@ struct PrefixIndex::Impl {
     std::uint32_t num = 0;
     std::set<std::uint32_t> retired;
     std::vector<std::uint64_t> count;  // blocks per replica
+    std::vector<std::uint32_t> engine_block;  // C2: a replica's answers round down to these; 0 is 1
 
     std::vector<Node> nodes;
     std::uint32_t free_nodes = kNil;
@@ -963,6 +964,24 @@ void PrefixIndex::remove_replica(std::int64_t r) {
     const std::uint32_t id = d.check_replica(r);
     d.drop_replica_blocks(id);
     d.retired.insert(id);
+    if (id < d.engine_block.size()) d.engine_block[id] = 0;  // a reused id starts at 1 again
+}
+
+void PrefixIndex::set_engine_block(std::int64_t r, std::uint64_t k) {
+    Impl& d = *impl_;
+    std::unique_lock lock(d.mu);
+    const std::uint32_t id = d.check_replica(r);
+    if (k < 1 || k > kMaxEngineBlock)
+        throw ValueError("k must be in [1, " + std::to_string(kMaxEngineBlock) + "], got " + std::to_string(k));
+    if (d.engine_block.size() <= id) d.engine_block.resize(id + 1, 0);
+    d.engine_block[id] = static_cast<std::uint32_t>(k);
+}
+
+std::uint64_t PrefixIndex::engine_block(std::int64_t r) const {
+    const Impl& d = *impl_;
+    std::shared_lock lock(d.mu);
+    const std::uint32_t id = d.check_replica(r);
+    return id < d.engine_block.size() && d.engine_block[id] > 0 ? d.engine_block[id] : 1;
 }
 
 void PrefixIndex::clear_replica(std::int64_t r) {
@@ -1006,6 +1025,16 @@ std::size_t PrefixIndex::store_after(std::int64_t r, std::uint64_t parent, const
 void PrefixIndex::match(const std::uint64_t* hashes, std::size_t n, std::vector<std::int32_t>& out) const {
     const Impl& d = *impl_;
     std::shared_lock lock(d.mu);
+    match_locked(hashes, n, out);
+    // C2: engines reuse whole engine blocks only, so a replica's answer rounds down to them.
+    for (std::size_t r = 0; r < d.engine_block.size() && r < out.size(); ++r) {
+        const auto k = static_cast<std::int32_t>(d.engine_block[r]);
+        if (k > 1) out[r] -= out[r] % k;
+    }
+}
+
+void PrefixIndex::match_locked(const std::uint64_t* hashes, std::size_t n, std::vector<std::int32_t>& out) const {
+    const Impl& d = *impl_;
     const std::uint32_t num = d.num;
     out.assign(num, 0);
     if (n == 0 || num == 0) return;

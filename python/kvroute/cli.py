@@ -110,6 +110,48 @@ def _sweep(args: argparse.Namespace, workload: object, specs: list, fleet: objec
     return 0
 
 
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    from .emulate import cli as emulate_cli
+
+    return emulate_cli.run(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .diagnose import report
+    from .diagnose.stream import read_jsonl
+
+    if not os.path.exists(args.trace):
+        raise ValueError(f"trace file {args.trace!r} does not exist")
+    trace = read_jsonl(args.trace, args.format, block_size=args.block_size, limit=args.limit)
+    decode = None
+    if args.format == "tokens":
+        from .tokenize import load_tokenizer
+
+        decode = load_tokenizer(args.tokenizer).decode
+    params = report.DiagnoseParams(replicas=args.replicas, cache_tokens=args.cache_tokens, router=args.router,
+                                   simulate=not args.no_simulate, decode=decode)
+    say = (lambda msg: print(f"kvroute diagnose: {msg}...", file=sys.stderr)) if sys.stderr.isatty() else None
+    result = report.diagnose(trace, params, progress=say)
+    if args.plot:
+        report.plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(report.render_text(result))
+        if args.plot:
+            print(f"miss-ratio curve: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=kvroute.__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvroute {kvroute.__version__}")
@@ -147,7 +189,50 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p_sim.set_defaults(func=_cmd_simulate)
+    p_emu = sub.add_parser("emulate", help="run emulated vLLM engines on the engine model (kvroute.emulate)")
+    _emulate_args(p_emu)
+    p_emu.set_defaults(func=_cmd_emulate)
+    p_bench = sub.add_parser("bench", help="replay a workload against OpenAI-compatible servers (kvroute.bench)")
+    _bench_args(p_bench)
+    p_bench.set_defaults(func=_cmd_bench)
+    p_serve = sub.add_parser("serve", help="an OpenAI-compatible gateway that routes with kvroute (kvroute[gateway])")
+    from .gateway.config import add_arguments
+
+    add_arguments(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
+    p_diag = sub.add_parser("diagnose", help="why a trace's prefix-cache hit rate is what it is (kvroute.diagnose)")
+    p_diag.add_argument("trace", help="a Mooncake JSONL trace, or a JSONL of token-id prompts (--format tokens)")
+    p_diag.add_argument("--format", default="mooncake", choices=("mooncake", "tokens"))
+    p_diag.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default: 512 for mooncake, 16 for tokens)")
+    p_diag.add_argument("--replicas", type=int, default=8)
+    p_diag.add_argument("--cache-tokens", type=int, default=None, help="KV cache per replica in tokens")
+    p_diag.add_argument("--router", default="ttft", help="the router whose placements split the cache (default ttft)")
+    p_diag.add_argument("--tokenizer", default=None, help="tokenizer folder for the volatile-prefix text (default: bytes)")
+    p_diag.add_argument("--limit", type=int, default=None, help="read only the first N requests")
+    p_diag.add_argument("--no-simulate", action="store_true", help="skip the simulated replay (TTFT, ideal, split)")
+    p_diag.add_argument("--plot", metavar="FILE.png", help="draw the miss-ratio curves")
+    p_diag.add_argument("--json", action="store_true", help="print every number as JSON")
+    p_diag.set_defaults(func=_cmd_diagnose)
     return parser
+
+
+def _emulate_args(p: argparse.ArgumentParser) -> None:
+    from .emulate.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from .bench.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _default_routers() -> tuple[str, ...]:

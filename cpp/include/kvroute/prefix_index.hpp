@@ -98,6 +98,14 @@ public:
     /// Drops every (replica, block) last touched before now - ttl; returns how many.
     std::size_t expire(double now);
 
+    /// Largest engine block, in router blocks, that set_engine_block accepts.
+    static constexpr std::uint64_t kMaxEngineBlock = 65536;
+    /// r's engine blocks span k router blocks (C2): match() rounds r's answer down to a
+    /// multiple of k. ValueError unless 1 <= k <= kMaxEngineBlock. A retired id resets to 1.
+    void set_engine_block(std::int64_t r, std::uint64_t k);
+    /// r's k (1 unless set).
+    std::uint64_t engine_block(std::int64_t r) const;
+
     /// The hashes r holds, sorted ascending.
     std::vector<std::uint64_t> held(std::int64_t r) const;
     /// Number of blocks r holds.
@@ -112,6 +120,7 @@ public:
     void check_invariants() const;
 
 private:
+    void match_locked(const std::uint64_t* hashes, std::size_t n, std::vector<std::int32_t>& out) const;
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

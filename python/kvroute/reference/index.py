@@ -19,7 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from .args import int_buffer, refuse_masked
+
 MAX_REPLICAS = 65536
+MAX_ENGINE_BLOCK = 65536  # set_engine_block's largest k (router blocks per engine block)
 """Most replica ids one index can have."""
 
 EVICTION_LOG_LIMIT = 1 << 20
@@ -48,6 +51,7 @@ def as_hashes(hashes: Any, name: str = "hashes") -> np.ndarray:
             )
         return np.frombuffer(hashes, dtype=np.dtype(hashes.typecode)).astype(np.uint64)
     if isinstance(hashes, (list, tuple)):
+        hashes = tuple(hashes)  # a snapshot: an item's __index__ may resize a list
         out = np.empty(len(hashes), dtype=np.uint64)
         for i, value in enumerate(hashes):
             if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
@@ -57,6 +61,9 @@ def as_hashes(hashes: Any, name: str = "hashes") -> np.ndarray:
                 raise ValueError(f"hash {v} at index {i} is out of range [-2**63, 2**64)")
             out[i] = v & _MASK64
         return out
+    buffered = int_buffer(hashes)  # memoryview or another exporter, read in place
+    if buffered is not None:
+        return _array_as_uint64(buffered, name)
     raise TypeError(
         f"{name} must be a 1-D integer numpy array, a list or tuple of ints, or an "
         f"array.array, got {type(hashes).__name__}"
@@ -95,7 +102,8 @@ class PrefixIndex:
       index (KeyError "parent block 0x... is unknown" otherwise). A hash already in the index
       under a different parent, or repeated within the chain, is a ValueError.
     - match(hashes): for every replica, how many leading blocks of `hashes` it holds. A
-      replica's match stops at the first block it lacks, even if it holds later ones.
+      replica's match stops at the first block it lacks, even if it holds later ones, and is
+      rounded down to a multiple of its engine block (set_engine_block(r, k), contract C2).
     - A block no replica holds is freed at once, except that it stays as an ownerless
       placeholder while a held block descends from it, so a replica that re-acquires the
       missing middle block matches through again. A placeholder is freed when its last held
@@ -153,6 +161,7 @@ class PrefixIndex:
         self._retired: set[int] = set()
         self._blocks: dict[int, _Block] = {}
         self._count = [0] * n
+        self._engine_block: dict[int, int] = {}  # C2: replica -> router blocks per engine block
         self._lru: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(n)] if self._tracks else []
         self._held_blocks = 0
         self._held_pairs = 0
@@ -208,6 +217,24 @@ class PrefixIndex:
             r = self._replica(replica)
             self._drop_all(r)
             self._retired.add(r)
+            self._engine_block.pop(r, None)  # a reused id starts at 1 again
+
+    def set_engine_block(self, replica: int, k: int) -> None:
+        """The replica's engine blocks span k router blocks (contract C2): match() rounds its
+        answer down to a multiple of k, since engines reuse whole engine blocks only."""
+        with self._lock:
+            r = self._replica(replica)
+            if isinstance(k, (bool, np.bool_)) or not _is_integer(k):
+                raise TypeError(f"k must be an int, got {type(k).__name__}")
+            v = operator.index(k)
+            if not 1 <= v <= MAX_ENGINE_BLOCK:
+                raise ValueError(f"k must be in [1, {MAX_ENGINE_BLOCK}], got {v}")
+            self._engine_block[r] = v
+
+    def engine_block(self, replica: int) -> int:
+        """Router blocks per engine block of the replica (1 unless set)."""
+        with self._lock:
+            return self._engine_block.get(self._replica(replica), 1)
 
     def clear_replica(self, replica: int) -> None:
         """Drop every block the replica holds (an engine's AllBlocksCleared); the id stays."""
@@ -271,6 +298,8 @@ class PrefixIndex:
                 depth += 1
                 prev = h
             _assign(out, active, depth)
+            for r, k in self._engine_block.items():
+                out[r] -= out[r] % k
             return out
 
     def remove(self, replica: int, hashes: Any) -> int:
@@ -569,6 +598,7 @@ def _broken(what: str) -> None:
 
 
 def _array_as_uint64(arr: np.ndarray, name: str) -> np.ndarray:
+    refuse_masked(arr, name)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:
