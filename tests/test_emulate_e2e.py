@@ -187,19 +187,25 @@ def test_subscriber_ends_with_exactly_the_engines_blocks(fleet):
     index = kvroute.PrefixIndex(N)
     applier = EventApplier(index, 16)
     sources = [Source(i, e.events_endpoint, replay_endpoint=e.replay_endpoint) for i, e in enumerate(engines)]
-    with Subscriber(applier, sources) as sub:
-        for k in range(64):
+
+    def traffic(count):
+        for k in range(count):
             e = engines[k % N]
             prompt = rng.choice(prefixes) + [rng.randrange(6000, 7000) for _ in range(rng.randrange(1, 100))]
             r = httpx.post(e.url + "/v1/completions", json={"prompt": prompt, "max_tokens": rng.randrange(1, 40)},
                            timeout=WAIT)
             assert r.status_code == 200, r.text
+
+    traffic(8)  # published before the subscriber joins: it must replay them
+    with Subscriber(applier, sources) as sub:
+        traffic(56)
         for i, e in enumerate(engines):
             eventually(lambda: fleet.call(lambda: not e.runner.engine.has_work()), "the engine to go idle")
             last = fleet.call(lambda: e.publisher.seq) - 1
             assert sub.wait_for_seq(i, last, WAIT)
         status = sub.status()
     assert status["malformed"] == 0 and status["resyncs"] == 0
+    assert status["replays"] >= N  # every engine published before the subscriber joined
     removed = 0
     for i, e in enumerate(engines):
         events = fleet.call(lambda: list(fleet.published[i]))
