@@ -148,7 +148,8 @@ def test_malformed_json_unknown_model_and_routes(fleet):
 
 
 def test_disconnect_aborts_the_engine_request():
-    """Real time and a long answer: the client leaves after the first chunk."""
+    """Real time and a long answer: the client leaves after the first chunk, or before
+    the non-streamed answer is complete."""
     ft = start_fleet(1, time_scale=1.0)
     try:
         url = ft.fleet.engines[0].url
@@ -160,6 +161,11 @@ def test_disconnect_aborts_the_engine_request():
         eventually(lambda: metrics(ft, 0)[key] == 1, "the abort")
         eventually(lambda: metrics(ft, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
         assert ft.call(lambda: ft.fleet.engines[0].runner.engine.stats()["aborted"]) == 1
+        # Not streamed: the client gives up waiting for the whole answer.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 10_000}, timeout=0.5)
+        eventually(lambda: metrics(ft, 0)[key] == 2, "the second abort")
+        eventually(lambda: metrics(ft, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
     finally:
         ft.stop()
 
