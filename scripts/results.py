@@ -62,6 +62,17 @@ def _verdict(results: list[sim.SimResult]) -> str:
             f"{best_hit.metrics.hit_rate:.1%} ({best_hit.router}): {'not lower' if hit_ok else 'LOWER'}.")
 
 
+def _kept_sections(path: Path) -> list[str]:
+    """Sections other scripts maintain in the same file (between `<!-- begin: NAME -->` and
+    `<!-- end: NAME -->`, e.g. scripts/emulate_agreement.py's): kept as they are."""
+    import re
+
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    return [m.group(0) + "\n" for m in re.finditer(r"<!-- begin: (\S+) -->.*?<!-- end: \1 -->", text, re.S)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
@@ -129,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Total generation time {time.perf_counter() - started:.0f} s.", "",
     ]
+    out += _kept_sections(Path(args.out))
     Path(args.out).write_text("\n".join(out), encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
