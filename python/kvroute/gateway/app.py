@@ -14,6 +14,7 @@ union of the replicas'), GET /health, GET /metrics, /kvroute/replicas (admin.py)
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -199,8 +200,6 @@ class Gateway:
             if models:
                 status, body = await self._get(rep.spec.url + "/v1/models", t)
                 if status == 200:
-                    import json
-
                     self.fleet.set_models(rep, *parse_models(json.loads(body)))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             rep.scrape_errors += 1
