@@ -9,10 +9,12 @@ which any idle replica takes the next request. Built from the fleet model's own 
   hit on every replica, and a replica may hold more than its share while others hold
   less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
   so a request is still computed by one replica at one replica's speed.
-- Queue: requests wait in one FIFO queue; a replica takes the head whenever it has no
-  request waiting of its own and fewer than max_num_seqs running (one with no step in
-  flight first, then the fewest running, then the lowest index). No request waits behind a busy replica while another
-  has room, and no router decision is made.
+- Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
+  tokens it has yet to compute (waiting, or running before their first token) are fewer
+  than one step's token budget (max_num_batched_tokens) and it runs fewer than
+  max_num_seqs: the one with the fewest such tokens, then one with no step in flight,
+  then the lowest index. No request queues behind a replica's prefill while another
+  replica has room in its next step, and no router decision is made.
 
 Not a strict bound on every run: LRU is not optimal, so splitting the cache can, rarely,
 keep a block one pooled LRU evicts, and a queue reordered by cache could beat FIFO on
@@ -71,6 +73,12 @@ class _PooledEngine(Engine):
     def _n_evictions(self, value: int) -> None:
         self._shared.evictions = value
 
+    def pending_prefill(self) -> int:
+        """Prompt tokens not yet computed, of running requests before their first token and
+        of waiting requests (as of the end of the step in flight)."""
+        return (sum(r.num_tokens - r.computed for r in self._running if r.out == 0)
+                + sum(r.num_tokens - r.computed for r in self._waiting))
+
     def reset_prefix_cache(self) -> bool:
         """Not supported on a shared pool (it would replace the shared hash table)."""
         raise NotImplementedError("the ideal fleet's shared cache is never reset")
@@ -101,14 +109,14 @@ class _IdealRun(_Run):
     def _dispatch(self, now: float) -> None:
         central = self.central
         limit = self.fleet.max_num_seqs
+        budget = self.fleet.max_num_batched_tokens
         while central:
-            # An engine's state is its in-flight step's end: prefer replicas with no step
-            # in flight, then the fewest running, then the lowest index.
-            best, best_key = -1, (2, limit)
+            # A replica is idle for prefill while its next step's token budget is not
+            # claimed by prompts it has yet to compute: the least claimed takes the head.
+            best, best_key = -1, (budget, 0)
             for r, eng in enumerate(self.engines):
-                waiting, running, _ = eng.load()
-                key = (int(self.busy[r]), running)
-                if waiting == 0 and running < limit and key < best_key:
+                key = (eng.pending_prefill(), int(self.busy[r]))
+                if key < best_key and len(eng._running) < limit:
                     best, best_key = r, key
             if best < 0:
                 return

@@ -1,0 +1,223 @@
+"""Scale-out and deploy: what happens to the hit rate when the fleet changes mid-run.
+
+The seed's failure modes: "hit rate collapses to near zero right after a deploy" and
+"latency gets worse immediately after scaling out: the new replicas have cold caches,
+and a load-weighted router preferentially sends them traffic precisely because they are
+idle". Both run on the fleet model (kvroute.sim.fleet) with one change at `at_s`:
+
+- scale-out: `add` fresh replicas (empty caches) join; the router learns them through
+  Router.add_replica, as a gateway's discovery would add them.
+- deploy: every replica restarts: its engine is replaced by an empty one, and the
+  requests it held are re-submitted to it (prompts recomputed; a request that already
+  streamed its first token keeps its TTFT, the rest of its answer is regenerated). With
+  precise or hybrid knowledge the router sees AllBlocksCleared for each replica (the
+  engines' publishers restart); an approximate router is told nothing.
+
+measure_recovery() cuts the run into windows of window_s seconds of arrivals: the
+baseline is the hit rate (cached input tokens / input tokens) of the requests arriving in
+the `baseline_s` before the change, and the recovery time is the end of the first window
+after it whose hit rate is back to `recovered` (90%) of the baseline (None: never in the
+run). For scale-out it also reports the new replicas' share of the requests in the first
+window (against their share of the fleet: a burst to cold replicas shows as > 1) and
+their p90 TTFT against the old replicas' in the same window.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .engine import Engine, EngineRequest
+from .fleet import FleetParams, SimResult, _Run, make_router
+from .kv_events import AllBlocksCleared
+from .routers import RouterSpec, router_spec
+from .workloads import Workload
+
+KINDS = ("scale-out", "deploy")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """kind: "scale-out" or "deploy". at_s: when (seconds). add: replicas a scale-out adds."""
+
+    kind: str
+    at_s: float
+    add: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.at_s, (int, float)) or not math.isfinite(self.at_s) or self.at_s < 0:
+            raise ValueError(f"at_s must be a finite number >= 0, got {self.at_s!r}")
+        if isinstance(self.add, bool) or not isinstance(self.add, int) or self.add < 0:
+            raise ValueError(f"add must be an int >= 0, got {self.add!r}")
+        if self.kind == "scale-out" and self.add < 1:
+            raise ValueError("a scale-out adds at least 1 replica (add >= 1)")
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a scenario did to the run (see measure_recovery)."""
+
+    baseline_hit_rate: float
+    dip_hit_rate: float
+    recovery_s: float | None
+    windows: list[tuple[float, float, float]] = field(default_factory=list)  # (start, hit rate, p90 TTFT)
+    new_share: float | None = None
+    new_ttft_p90: float | None = None
+    old_ttft_p90: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready values."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+class _Action:
+    __slots__ = ()
+
+
+class _ScenarioRun(_Run):
+    def __init__(self, workload: Workload, fleet: FleetParams, router: Any, sessions: bool,
+                 scenario: Scenario) -> None:
+        super().__init__(workload, fleet, router, sessions, None, None)
+        self.scenario = scenario
+        self.current: list[Any] = [None] * len(self.engines)
+        self.config = fleet.engine_config(workload.block_tokens)
+        import heapq
+
+        heapq.heappush(self.events, (float(scenario.at_s), self._next(), 0, _Action()))
+
+    def _start_step(self, r: int, now: float) -> None:
+        eng = self.engines[r]
+        res = eng.run_decodes(now, self._horizon(now))
+        if res is None:
+            res = eng.step(now)
+        self.busy[r] = True
+        self.current[r] = res
+        import heapq
+
+        heapq.heappush(self.events, (res.end, self._next(), r, res))
+
+    def _step_end(self, r: int, res: Any, now: float) -> None:
+        if isinstance(res, _Action):
+            self._act(now)
+            return
+        if res is not self.current[r]:
+            return  # a step of an engine replaced by a restart
+        self.current[r] = None
+        first = {int(o.request_id): (self.requests[int(o.request_id)].ttft, self.requests[int(o.request_id)].cached)
+                 for o in res.outputs if o.is_first_token}
+        super()._step_end(r, res, now)
+        for rid, (ttft, cached) in first.items():
+            if not math.isnan(ttft):  # re-submitted after a restart: the first token was earlier
+                self.requests[rid].ttft, self.requests[rid].cached = ttft, cached
+
+    def _act(self, now: float) -> None:
+        if self.scenario.kind == "scale-out":
+            for _ in range(self.scenario.add):
+                r = len(self.engines)
+                name = f"replica-{r}"
+                self.engines.append(Engine(self.config))
+                self.names.append(name)
+                self.busy.append(False)
+                self.current.append(None)
+                if self.knowledge is not None:
+                    self.knowledge.copies.append({})
+                if self.router is not None and self.router.add_replica(name) != r:
+                    raise RuntimeError("the router did not give the new replica the next dense id")
+            return
+        for r in range(len(self.engines)):
+            self._restart(r, now)
+
+    def _restart(self, r: int, now: float) -> None:
+        old = self.engines[r]
+        # The engine's state is its in-flight step's end: what that step produced (tokens,
+        # even whole requests that finished in it) was never seen, so it is redone.
+        unseen = {} if self.current[r] is None else {o.request_id: o for o in self.current[r].outputs}
+        running, waiting = old.request_ids()
+        ids = running + waiting + [rid for rid, o in unseen.items() if o.finished]
+        new = self.engines[r] = Engine(self.config)
+        self.busy[r] = False
+        self.current[r] = None
+        if self.knowledge is not None:
+            self.knowledge.apply(r, [AllBlocksCleared()], now)
+        for rid in ids:
+            req = self.requests[int(rid)]
+            turn = self.wl.clients[req.client].turns[req.turn]
+            o = unseen.get(rid)
+            done = turn.output_tokens if o is not None and o.finished else old.progress(rid)[2]
+            left = turn.output_tokens - (done - (o.num_new_tokens if o is not None else 0))
+            new.add_request(EngineRequest(rid, None, max(left, 1), now, block_hashes=turn.after_hashes,
+                                          num_prompt_tokens=turn.prompt_tokens), now)
+        if new.has_work():
+            self._start_step(r, now)
+
+
+def simulate_scenario(workload: Workload, router: Any, fleet: FleetParams, scenario: Scenario, *,
+                      sessions: bool | None = None) -> SimResult:
+    """Run `workload` on `fleet` (its replicas are the fleet before the change) under
+    `router` (a name, RouterSpec or RouterConfig) with the scenario's change at at_s."""
+    name = ""
+    if isinstance(router, str):
+        router = router_spec(router)
+    if isinstance(router, RouterSpec):
+        name = router.name
+        if sessions is None:
+            sessions = router.sessions
+        router = router.config()
+    name = name or getattr(router, "policy", "")
+    rt = make_router(router, fleet, workload.block_tokens)
+    run = _ScenarioRun(workload, fleet, rt, True if sessions is None else bool(sessions), scenario)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    run.loop()
+    rec, m = run.measure()
+    return SimResult(name, workload.name, m, rec, dict(rt.stats()), time.perf_counter() - started,
+                     time.process_time() - cpu_started, tuple(e.stats() for e in run.engines))
+
+
+def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *, window_s: float = 30.0,
+                     baseline_s: float = 120.0, recovered: float = 0.9) -> Recovery:
+    """Baseline, dip and recovery time of the hit rate around the scenario's change (see
+    the module docstring)."""
+    rec = result.records
+    at = float(scenario.at_s)
+    before = (rec.arrival >= at - baseline_s) & (rec.arrival < at)
+    base = _hit(rec, before)
+    windows = []
+    recovery = None
+    end = float(rec.arrival.max()) if rec.arrival.size else at
+    k = 0
+    while at + k * window_s <= end:
+        lo = at + k * window_s
+        m = (rec.arrival >= lo) & (rec.arrival < lo + window_s)
+        hit = _hit(rec, m)
+        windows.append((lo, hit, _p90(rec.ttft[m])))
+        if recovery is None and not math.isnan(hit) and not math.isnan(base) and hit >= recovered * base:
+            recovery = (k + 1) * window_s
+        k += 1
+    dips = [h for _, h, _ in windows if not math.isnan(h)]
+    out = Recovery(base, min(dips) if dips else math.nan, recovery, windows)
+    if scenario.kind == "scale-out":
+        first = (rec.arrival >= at) & (rec.arrival < at + window_s)
+        new = first & (rec.replica >= old_replicas)
+        fair = scenario.add / (old_replicas + scenario.add)
+        share = (new.sum() / first.sum() / fair) if first.any() else math.nan
+        out = Recovery(base, out.dip_hit_rate, recovery, windows, float(share), _p90(rec.ttft[new]),
+                       _p90(rec.ttft[first & ~new]))
+    return out
+
+
+def _hit(rec: Any, mask: np.ndarray) -> float:
+    tokens = int(rec.prompt_tokens[mask].sum())
+    return float(rec.cached_tokens[mask].sum()) / tokens if tokens else math.nan
+
+
+def _p90(values: np.ndarray) -> float:
+    return float(np.percentile(values, 90)) if values.size else math.nan
+
+
+__all__ = ["KINDS", "Recovery", "Scenario", "measure_recovery", "simulate_scenario"]
