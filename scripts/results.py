@@ -19,7 +19,8 @@ from pathlib import Path
 
 import kvroute
 from kvroute import sim
-from kvroute.sim import report
+from kvroute.sim import report, scenarios
+from kvroute.sim.ideal import fraction_text, simulate_ideal
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
@@ -62,6 +63,36 @@ def _verdict(results: list[sim.SimResult]) -> str:
             f"{best_hit.metrics.hit_rate:.1%} ({best_hit.router}): {'not lower' if hit_ok else 'LOWER'}.")
 
 
+def _scenarios(routers: list[str]) -> list[str]:
+    """The scale-out and deploy section: recovery per router on the chat workload."""
+    out = ["## Scale-out and deploy (chat, precise knowledge)", "",
+           "The ideal row above each table is kvroute.sim.ideal: one shared prefix cache with the fleet's "
+           "total KV memory and one central FIFO queue (a replica takes the next request while its next "
+           "step has token budget left); the line under each table is every router as a fraction of it "
+           "(hit rate / ideal's; ideal p90 TTFT / its: 100% = as fast).", "",
+           "Below, kvroute.sim.scenarios on the chat workload (8 replicas, seed 0): a change at 300 s. "
+           "hit before = hit rate of the requests arriving in the 120 s before it; lowest window = the "
+           "lowest hit rate of a 60 s window after it; recovered after = the end of the first 60 s window "
+           "whose hit rate is back to 90% of the one before (window noise is a few points); new replicas' "
+           "share = their share of the requests in the first window over their share of the fleet (above 1: "
+           "a burst to cold replicas).", ""]
+    wl = sim.build_workload("chat")
+    fleet = sim.fleet_for("chat")
+    for text in ("scale-out@300+2", "deploy@300"):
+        sc = scenarios.parse(text)
+        rows = []
+        t0 = time.perf_counter()
+        for r in routers:
+            res = scenarios.simulate_scenario(wl, r, fleet, sc)
+            rows.append((res, scenarios.measure_recovery(res, sc, fleet.replicas, window_s=60.0)))
+            print(f"scenario {text} {r}: {res.wall_s:.1f} s", file=sys.stderr)
+        what = "2 replicas join (8 -> 10)" if sc.kind == "scale-out" else "every replica restarts"
+        out += [f"### {sc.kind}: {what} at 300 s", "", f"Simulated in {time.perf_counter() - t0:.0f} s.", "",
+                f"    kvroute simulate --routers {','.join(routers)} --scenario {text}", "",
+                scenarios.recovery_markdown(rows), ""]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
@@ -69,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--knowledge", default="precise,hybrid",
                     help="comma-separated knowledge modes, one section each (default: %(default)s)")
     ap.add_argument("--routers", default=",".join(sim.ALL_ROUTERS))
+    ap.add_argument("--scenario-routers", default="round-robin,sticky,least-loaded,cache-aware,dynamo,ttft",
+                    help="routers of the scale-out and deploy section (default: %(default)s)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the trace path and the commands below are relative to the repository
     routers = args.routers.split(",")
@@ -92,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "entries, which expire after RouterConfig.speculative_ttl (2 s).",
         "",
     ]
+    ideals: dict[str, sim.SimResult] = {}
     for mode in modes:
         out += [f"## Knowledge: {mode}", ""]
         for name, path in workloads:
@@ -105,14 +139,18 @@ def main(argv: list[str] | None = None) -> int:
             for r in routers:
                 results += sim.compare(wl, [r], fleet)
                 print(f"{mode} {name} {r}: {results[-1].wall_s:.1f} s", file=sys.stderr)
+            if name not in ideals:  # the ideal fleet has no router: the same in every mode
+                ideals[name] = simulate_ideal(wl, fleet)
             cmd = "kvroute simulate --workload " + name + (f" {path}" if path else "") + \
                 f" --routers {','.join(routers)}" + ("" if mode == "precise" else f" --knowledge {mode}")
             out += [f"### {name}", "", f"{wl.description}; cache {fleet.cache_tokens:,} tokens per replica. "
                     f"Simulated in {time.perf_counter() - t0:.0f} s.", "", f"    {cmd}", "",
-                    _table(results, _best(results)), ""]
+                    _table(results + [ideals[name]], _best(results)), "",
+                    fraction_text(results, ideals[name]).capitalize() + ".", ""]
             verdict = _verdict(results)
             if verdict:
                 out += [verdict, ""]
+    out += _scenarios(args.scenario_routers.split(","))
     out += [
         "## Notes on the model",
         "",

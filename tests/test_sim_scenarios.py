@@ -78,3 +78,18 @@ def test_measure_recovery_by_hand():
 def test_bad_scenarios(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Scenario(**kwargs)
+
+
+def test_cli_scenario_and_ideal(capsys):
+    from kvroute import cli
+
+    argv = ["simulate", "--workload", "shared-prefix", "--rate", "40", "--replicas", "2", "--routers",
+            "round-robin"]
+    assert cli.main(argv + ["--scenario", "deploy@10"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "every replica restarts at 10 s" in out[0] and out[1].startswith("router") and out[2].startswith("round-robin")
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[4].startswith("ideal") and out[5].startswith("fraction of the ideal (hit rate / p90 TTFT): round-robin")
+    assert cli.main(argv + ["--scenario", "deploy"]) == 2
+    assert "--scenario must look like" in capsys.readouterr().err

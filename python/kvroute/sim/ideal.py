@@ -93,7 +93,8 @@ class _IdealRun(_Run):
         one = fleet.engine_config(workload.block_tokens)
         cfg = EngineConfig(**{**one.__dict__, "num_kv_blocks": one.num_kv_blocks * n})
         first = _PooledEngine(cfg)
-        self.engines = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        self.pooled = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        self.engines = list(self.pooled)
         self.central: deque[tuple[int, _Request]] = deque()
 
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
@@ -114,7 +115,7 @@ class _IdealRun(_Run):
             # A replica is idle for prefill while its next step's token budget is not
             # claimed by prompts it has yet to compute: the least claimed takes the head.
             best, best_key = -1, (budget, 0)
-            for r, eng in enumerate(self.engines):
+            for r, eng in enumerate(self.pooled):
                 key = (eng.pending_prefill(), int(self.busy[r]))
                 if key < best_key and len(eng._running) < limit:
                     best, best_key = r, key
@@ -159,4 +160,17 @@ def fraction_of_ideal(result: SimResult, ideal: SimResult) -> dict[str, float]:
     return out
 
 
-__all__ = ["fraction_of_ideal", "simulate_ideal"]
+def fraction_text(results: list[SimResult], ideal: SimResult) -> str:
+    """One line: each router's hit rate and p90 TTFT as fractions of the ideal's."""
+    cells = []
+    for res in results:
+        f = fraction_of_ideal(res, ideal)
+        cells.append(f"{res.router} {_pct(f['hit_rate'])} / {_pct(f['ttft_p90'])}")
+    return "fraction of the ideal (hit rate / p90 TTFT): " + ", ".join(cells)
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
+__all__ = ["fraction_of_ideal", "fraction_text", "simulate_ideal"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -109,12 +109,13 @@ class _ScenarioRun(_Run):
         if res is not self.current[r]:
             return  # a step of an engine replaced by a restart
         self.current[r] = None
-        first = {int(o.request_id): (self.requests[int(o.request_id)].ttft, self.requests[int(o.request_id)].cached)
-                 for o in res.outputs if o.is_first_token}
+        if any(o.is_first_token and not math.isnan(self.requests[int(o.request_id)].ttft) for o in res.outputs):
+            # Re-submitted after a restart: its first token (TTFT, cached, prefill_done)
+            # was earlier; this one is only the first of its regenerated rest.
+            res = replace(res, outputs=[replace(o, is_first_token=False)
+                                        if o.is_first_token and not math.isnan(self.requests[int(o.request_id)].ttft)
+                                        else o for o in res.outputs])
         super()._step_end(r, res, now)
-        for rid, (ttft, cached) in first.items():
-            if not math.isnan(ttft):  # re-submitted after a restart: the first token was earlier
-                self.requests[rid].ttft, self.requests[rid].cached = ttft, cached
 
     def _act(self, now: float) -> None:
         if self.scenario.kind == "scale-out":
@@ -179,7 +180,7 @@ def simulate_scenario(workload: Workload, router: Any, fleet: FleetParams, scena
                      time.process_time() - cpu_started, tuple(e.stats() for e in run.engines))
 
 
-def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *, window_s: float = 30.0,
+def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *, window_s: float = 60.0,
                      baseline_s: float = 120.0, recovered: float = 0.9) -> Recovery:
     """Baseline, dip and recovery time of the hit rate around the scenario's change (see
     the module docstring)."""
@@ -211,6 +212,51 @@ def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *
     return out
 
 
+def parse(text: str) -> Scenario:
+    """'deploy@300' or 'scale-out@300+2' (kind@seconds[+replicas added])."""
+    try:
+        kind, rest = text.split("@", 1)
+        at, _, add = rest.partition("+")
+        return Scenario(kind, float(at), int(add) if add else 0)
+    except ValueError as exc:
+        raise ValueError(f"--scenario must look like deploy@300 or scale-out@300+2 ({exc})") from None
+
+
+RECOVERY_COLUMNS = ("router", "hit before", "lowest window", "recovered after", "hit rate", "p90 TTFT",
+                    "new replicas' share", "p90 TTFT new / old")
+
+
+def recovery_rows(results: list[tuple[SimResult, Recovery]]) -> list[list[str]]:
+    """One row of formatted cells per router, in RECOVERY_COLUMNS order."""
+    def pct(x: float) -> str:
+        return "-" if x is None or math.isnan(x) else f"{x:.1%}"
+
+    def sec(x: float | None) -> str:
+        return "-" if x is None or math.isnan(x) else f"{x:.2f} s"
+
+    out = []
+    for res, r in results:
+        out.append([res.router, pct(r.baseline_hit_rate), pct(r.dip_hit_rate),
+                    "never" if r.recovery_s is None else f"{r.recovery_s:.0f} s", pct(res.metrics.hit_rate),
+                    sec(res.metrics.ttft_p90), "-" if r.new_share is None else f"{r.new_share:.2f}x",
+                    "-" if r.new_ttft_p90 is None else f"{sec(r.new_ttft_p90)} / {sec(r.old_ttft_p90)}"])
+    return out
+
+
+def recovery_markdown(results: list[tuple[SimResult, Recovery]]) -> str:
+    """The recovery table in Markdown."""
+    lines = ["| " + " | ".join(RECOVERY_COLUMNS) + " |", "|" + "---|" * len(RECOVERY_COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in recovery_rows(results)])
+
+
+def recovery_text(results: list[tuple[SimResult, Recovery]]) -> str:
+    """The recovery table as aligned plain text."""
+    body = [list(RECOVERY_COLUMNS)] + recovery_rows(results)
+    widths = [max(len(r[i]) for r in body) for i in range(len(RECOVERY_COLUMNS))]
+    return "\n".join("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip()
+                     for r in body)
+
+
 def _hit(rec: Any, mask: np.ndarray) -> float:
     tokens = int(rec.prompt_tokens[mask].sum())
     return float(rec.cached_tokens[mask].sum()) / tokens if tokens else math.nan
@@ -220,4 +266,5 @@ def _p90(values: np.ndarray) -> float:
     return float(np.percentile(values, 90)) if values.size else math.nan
 
 
-__all__ = ["KINDS", "Recovery", "Scenario", "measure_recovery", "simulate_scenario"]
+__all__ = ["KINDS", "RECOVERY_COLUMNS", "Recovery", "Scenario", "measure_recovery", "parse", "recovery_markdown",
+           "recovery_rows", "recovery_text", "simulate_scenario"]
