@@ -49,6 +49,8 @@ class _PooledEngine(Engine):
     """An Engine whose KV block pool (blocks, hashes, free queue, cache) is shared with
     the other engines built on the same `pool` engine."""
 
+    _shared: _Counters
+
     def __init__(self, config: EngineConfig, pool: _PooledEngine | None = None) -> None:
         self._shared = pool._shared if pool is not None else _Counters()
         super().__init__(config)
