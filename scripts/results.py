@@ -19,8 +19,7 @@ from pathlib import Path
 
 import kvroute
 from kvroute import sim
-from kvroute.sim import report, scenarios
-from kvroute.sim.ideal import fraction_text, simulate_ideal
+from kvroute.sim import report
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
@@ -63,34 +62,15 @@ def _verdict(results: list[sim.SimResult]) -> str:
             f"{best_hit.metrics.hit_rate:.1%} ({best_hit.router}): {'not lower' if hit_ok else 'LOWER'}.")
 
 
-def _scenarios(routers: list[str]) -> list[str]:
-    """The scale-out and deploy section: recovery per router on the chat workload."""
-    out = ["## Scale-out and deploy (chat, precise knowledge)", "",
-           "The ideal row above each table is kvroute.sim.ideal: one shared prefix cache with the fleet's "
-           "total KV memory and one central FIFO queue (a replica takes the next request while its next "
-           "step has token budget left); the line under each table is every router as a fraction of it "
-           "(hit rate / ideal's; ideal p90 TTFT / its: 100% = as fast).", "",
-           "Below, kvroute.sim.scenarios on the chat workload (8 replicas, seed 0): a change at 300 s. "
-           "hit before = hit rate of the requests arriving in the 120 s before it; lowest window = the "
-           "lowest hit rate of a 60 s window after it; recovered after = the end of the first 60 s window "
-           "whose hit rate is back to 90% of the one before (window noise is a few points); new replicas' "
-           "share = their share of the requests in the first window over their share of the fleet (above 1: "
-           "a burst to cold replicas).", ""]
-    wl = sim.build_workload("chat")
-    fleet = sim.fleet_for("chat")
-    for text in ("scale-out@300+2", "deploy@300"):
-        sc = scenarios.parse(text)
-        rows = []
-        t0 = time.perf_counter()
-        for r in routers:
-            res = scenarios.simulate_scenario(wl, r, fleet, sc)
-            rows.append((res, scenarios.measure_recovery(res, sc, fleet.replicas, window_s=60.0)))
-            print(f"scenario {text} {r}: {res.wall_s:.1f} s", file=sys.stderr)
-        what = "2 replicas join (8 -> 10)" if sc.kind == "scale-out" else "every replica restarts"
-        out += [f"### {sc.kind}: {what} at 300 s", "", f"Simulated in {time.perf_counter() - t0:.0f} s.", "",
-                f"    kvroute simulate --routers {','.join(routers)} --scenario {text}", "",
-                scenarios.recovery_markdown(rows), ""]
-    return out
+def _kept_sections(path: Path) -> list[str]:
+    """Sections other scripts maintain in the same file (between `<!-- begin: NAME -->` and
+    `<!-- end: NAME -->`, e.g. scripts/emulate_agreement.py's): kept as they are."""
+    import re
+
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    return [m.group(0) + "\n" for m in re.finditer(r"<!-- begin: (\S+) -->.*?<!-- end: \1 -->", text, re.S)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--knowledge", default="precise,hybrid",
                     help="comma-separated knowledge modes, one section each (default: %(default)s)")
     ap.add_argument("--routers", default=",".join(sim.ALL_ROUTERS))
-    ap.add_argument("--scenario-routers", default="round-robin,sticky,least-loaded,cache-aware,dynamo,ttft",
-                    help="routers of the scale-out and deploy section (default: %(default)s)")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the trace path and the commands below are relative to the repository
     routers = args.routers.split(",")
@@ -125,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         "entries, which expire after RouterConfig.speculative_ttl (2 s).",
         "",
     ]
-    ideals: dict[str, sim.SimResult] = {}
     for mode in modes:
         out += [f"## Knowledge: {mode}", ""]
         for name, path in workloads:
@@ -139,18 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in routers:
                 results += sim.compare(wl, [r], fleet)
                 print(f"{mode} {name} {r}: {results[-1].wall_s:.1f} s", file=sys.stderr)
-            if name not in ideals:  # the ideal fleet has no router: the same in every mode
-                ideals[name] = simulate_ideal(wl, fleet)
             cmd = "kvroute simulate --workload " + name + (f" {path}" if path else "") + \
                 f" --routers {','.join(routers)}" + ("" if mode == "precise" else f" --knowledge {mode}")
             out += [f"### {name}", "", f"{wl.description}; cache {fleet.cache_tokens:,} tokens per replica. "
                     f"Simulated in {time.perf_counter() - t0:.0f} s.", "", f"    {cmd}", "",
-                    _table(results + [ideals[name]], _best(results)), "",
-                    fraction_text(results, ideals[name]).capitalize() + ".", ""]
+                    _table(results, _best(results)), ""]
             verdict = _verdict(results)
             if verdict:
                 out += [verdict, ""]
-    out += _scenarios(args.scenario_routers.split(","))
     out += [
         "## Notes on the model",
         "",
@@ -167,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Total generation time {time.perf_counter() - started:.0f} s.", "",
     ]
+    out += _kept_sections(Path(args.out))
     Path(args.out).write_text("\n".join(out), encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -2,7 +2,7 @@
 // (as_hashes, as_hash) word for word, since tests compare them.
 #include "hashes.hpp"
 
-#include <string_view>
+#include <cstdint>
 
 #include "kvroute/errors.hpp"
 #include "pyargs.hpp"
@@ -28,53 +28,96 @@ bool int_to_hash(PyObject* index, std::uint64_t& out) {
     return true;
 }
 
+/// 'i' or 'u' for a buffer format naming one native-order integer, else 0.
+char int_format_kind(const char* format) {
+    if (format == nullptr) return 'u';  // no format means unsigned bytes ('B')
+    if (*format == '@' || *format == '=' || (*format == '<' && PY_LITTLE_ENDIAN)) ++format;
+    if (format[0] == 0 || format[1] != 0) return 0;
+    switch (format[0]) {
+        case 'b': case 'h': case 'i': case 'l': case 'q': case 'n': return 'i';
+        case 'B': case 'H': case 'I': case 'L': case 'Q': case 'N': return 'u';
+        default: return 0;
+    }
+}
+
+/// True when p may be read as a uint64 in place (reading a misaligned one is undefined).
+bool aligned64(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % alignof(std::uint64_t) == 0; }
+
+/// The list/tuple conversion. Exact ints are read straight from the sequence, which cannot
+/// change meanwhile (no Python code runs); the first other item may run __index__, which can
+/// resize a list, so from there on a snapshot taken at that point (equal to the list as
+/// passed) is read, as the reference reads tuple(hashes).
+void hashes_from_sequence(py::handle hashes, const char* name, std::vector<std::uint64_t>& out) {
+    py::object seq = py::reinterpret_borrow<py::object>(hashes);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    out.resize(static_cast<std::size_t>(n));
+    bool snapshot = PyTuple_Check(seq.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+        const auto at = static_cast<std::size_t>(i);
+        if (PyLong_CheckExact(item) && int_to_hash(item, out[at])) continue;
+        if (!snapshot) {
+            seq = py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr()));
+            if (!seq) throw py::error_already_set();
+            snapshot = true;
+            item = PyTuple_GET_ITEM(seq.ptr(), i);
+        }
+        py::object held = py::reinterpret_borrow<py::object>(item);
+        py::object index = as_index(held);
+        if (!index) throw TypeError(std::string(name) + "[" + std::to_string(at) + "] must be an int, got " + type_name(held));
+        if (!int_to_hash(index.ptr(), out[at]))
+            throw ValueError("hash " + py::str(index).cast<std::string>() + " at index " + std::to_string(at) +
+                             " is out of range [-2**63, 2**64)");
+    }
+}
+
 }  // namespace
 
 HashView as_hashes(py::handle hashes, const char* name) {
     HashView view;
-    // The common case, a contiguous uint64 or int64 array, is read in place.
-    if (py::array_t<std::uint64_t, py::array::c_style>::check_(hashes) ||
-        py::array_t<std::int64_t, py::array::c_style>::check_(hashes)) {
-        py::array arr = py::reinterpret_borrow<py::array>(hashes);
-        if (arr.ndim() != 1)
-            throw ValueError(std::string(name) + " must be 1-D, got a " + std::to_string(arr.ndim()) + "-D array");
-        view.data_ = static_cast<const std::uint64_t*>(arr.data());
-        view.size_ = static_cast<std::size_t>(arr.shape(0));
-        view.keep_ = std::move(arr);
-        return view;
-    }
     py::object arr_obj;
     if (py::isinstance<py::array>(hashes)) {
+        refuse_masked(hashes, name);
+        // The common case, a contiguous aligned uint64 or int64 array, is read in place.
+        if (py::array_t<std::uint64_t, py::array::c_style>::check_(hashes) ||
+            py::array_t<std::int64_t, py::array::c_style>::check_(hashes)) {
+            py::array arr = py::reinterpret_borrow<py::array>(hashes);
+            if (arr.ndim() != 1)
+                throw ValueError(std::string(name) + " must be 1-D, got a " + std::to_string(arr.ndim()) + "-D array");
+            if (aligned64(arr.data())) {
+                view.data_ = static_cast<const std::uint64_t*>(arr.data());
+                view.size_ = static_cast<std::size_t>(arr.shape(0));
+                view.keep_ = std::move(arr);
+                return view;
+            }
+        }
         arr_obj = py::reinterpret_borrow<py::object>(hashes);
-    } else if (py::isinstance(hashes, py::module_::import("array").attr("array"))) {
-        py::object typecode = hashes.attr("typecode");
-        const std::string code = typecode.cast<std::string>();
-        if (code.size() != 1 || std::string_view("bBhHiIlLqQ").find(code[0]) == std::string_view::npos) {
-            throw TypeError(std::string(name) + " must have an integer dtype, got array.array of typecode " +
-                            py::repr(typecode).cast<std::string>());
-        }
-        py::module_ np = py::module_::import("numpy");
-        arr_obj = np.attr("frombuffer")(hashes, py::arg("dtype") = np.attr("dtype")(typecode));
     } else if (PyList_Check(hashes.ptr()) || PyTuple_Check(hashes.ptr())) {
-        py::sequence seq = py::reinterpret_borrow<py::sequence>(hashes);
-        const std::size_t n = seq.size();
-        view.owned_.resize(n);
-        for (std::size_t i = 0; i < n; ++i) {
-            py::object item = seq[i];
-            py::object index = as_index(item);
-            if (!index)
-                throw TypeError(std::string(name) + "[" + std::to_string(i) + "] must be an int, got " + type_name(item));
-            if (!int_to_hash(index.ptr(), view.owned_[i]))
-                throw ValueError("hash " + py::str(index).cast<std::string>() + " at index " + std::to_string(i) +
-                                 " is out of range [-2**63, 2**64)");
-        }
+        hashes_from_sequence(hashes, name, view.owned_);
         view.data_ = view.owned_.data();
-        view.size_ = n;
+        view.size_ = view.owned_.size();
         return view;
     } else {
-        throw TypeError(std::string(name) +
-                        " must be a 1-D integer numpy array, a list or tuple of ints, or an array.array, got " +
-                        type_name(hashes));
+        py::object mv = int_buffer(hashes);
+        if (!mv || int_format_kind(PyMemoryView_GET_BUFFER(mv.ptr())->format) == 0) {
+            // Not a plain integer buffer: an array.array says which typecode it has.
+            if (is_array_array(hashes)) check_array_typecode(hashes, name);
+        }
+        if (!mv) {
+            throw TypeError(std::string(name) +
+                            " must be a 1-D integer numpy array, a list or tuple of ints, or an array.array, got " +
+                            type_name(hashes));
+        }
+        // array.array('Q'), a memoryview of uint64...: read in place when it is one aligned run.
+        const Py_buffer* buf = PyMemoryView_GET_BUFFER(mv.ptr());
+        if (buf->ndim == 1 && buf->itemsize == 8 && int_format_kind(buf->format) != 0 &&
+            (buf->strides == nullptr || buf->strides[0] == 8) && aligned64(buf->buf)) {
+            view.data_ = static_cast<const std::uint64_t*>(buf->buf);
+            view.size_ = static_cast<std::size_t>(buf->shape != nullptr ? buf->shape[0] : buf->len / 8);
+            view.keep_ = std::move(mv);
+            return view;
+        }
+        arr_obj = py::module_::import("numpy").attr("asarray")(mv);
     }
     py::array arr = py::reinterpret_borrow<py::array>(arr_obj);
     const py::dtype dtype = arr.dtype();
@@ -83,7 +126,8 @@ HashView as_hashes(py::handle hashes, const char* name) {
         throw TypeError(std::string(name) + " must have an integer dtype, got " + py::str(dtype).cast<std::string>());
     if (arr.ndim() != 1)
         throw ValueError(std::string(name) + " must be 1-D, got a " + std::to_string(arr.ndim()) + "-D array");
-    // Other widths, byte orders and strides: numpy's own cast, exactly what the reference does.
+    // Other widths, byte orders, strides and misaligned data: numpy's own cast into fresh
+    // (aligned) memory, exactly what the reference does.
     py::module_ np = py::module_::import("numpy");
     py::array conv = np.attr("ascontiguousarray")(arr.attr("astype")(np.attr("uint64")));
     view.data_ = static_cast<const std::uint64_t*>(conv.data());

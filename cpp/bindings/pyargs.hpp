@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include "kvroute/errors.hpp"
+
 namespace kvroute::bindings {
 
 /// The Python type name of obj, as error messages print it ("float", "ndarray").
@@ -47,6 +49,76 @@ inline pybind11::object as_index(pybind11::handle obj) {
         throw pybind11::error_already_set();
     }
     return pybind11::reinterpret_steal<pybind11::object>(index);
+}
+
+/// A str argument as UTF-8, or ValueError "<what> must be encodable as UTF-8, got a lone
+/// surrogate at index i": UTF-8 cannot encode a lone surrogate (json.loads makes one from
+/// "\\ud800"), and a name, session or medium is a key both implementations must agree on byte
+/// for byte, so it is refused rather than given an invented encoding. Mirror:
+/// python/kvroute/reference/args.py utf8_bytes/check_text. obj must be a str.
+inline std::string utf8_arg(pybind11::handle obj, const char* what) {
+    Py_ssize_t size = 0;
+    const char* data = PyUnicode_AsUTF8AndSize(obj.ptr(), &size);
+    if (data != nullptr) return std::string(data, static_cast<std::size_t>(size));
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw pybind11::error_already_set();
+    PyErr_Clear();
+    const Py_ssize_t n = PyUnicode_GET_LENGTH(obj.ptr());
+    Py_ssize_t i = 0;
+    while (i < n && !Py_UNICODE_IS_SURROGATE(PyUnicode_READ_CHAR(obj.ptr(), i))) ++i;
+    throw ValueError(std::string(what) + " must be encodable as UTF-8, got a lone surrogate at index " +
+                     std::to_string(i));
+}
+
+/// TypeError for a numpy masked array (its mask would be silently ignored); mirror of the
+/// reference's args.refuse_masked. Cheap for a plain ndarray (an exact type test).
+inline void refuse_masked(pybind11::handle arr, const std::string& name) {
+    static PyObject* ndarray =
+        pybind11::object(pybind11::module_::import("numpy").attr("ndarray")).release().ptr();
+    if (Py_TYPE(arr.ptr()) == reinterpret_cast<PyTypeObject*>(ndarray)) return;
+    // Leaked like numpy_bool above: a static py::object would be released after finalization.
+    static PyObject* masked =
+        pybind11::object(pybind11::module_::import("numpy.ma").attr("MaskedArray")).release().ptr();
+    const int is_masked = PyObject_IsInstance(arr.ptr(), masked);
+    if (is_masked < 0) throw pybind11::error_already_set();
+    if (is_masked == 1) {
+        throw TypeError(name +
+                        " must not be a numpy masked array (its mask cannot be honoured); "
+                        "pass .compressed() or .filled(value)");
+    }
+}
+
+/// True for an array.array (the type is looked up once).
+inline bool is_array_array(pybind11::handle obj) {
+    static PyObject* array_type =
+        pybind11::object(pybind11::module_::import("array").attr("array")).release().ptr();
+    return PyObject_IsInstance(obj.ptr(), array_type) == 1;
+}
+
+/// TypeError "<name> must have an integer dtype, got array.array of typecode 'd'" unless the
+/// array.array obj holds integers.
+inline void check_array_typecode(pybind11::handle obj, const std::string& name) {
+    pybind11::object typecode = obj.attr("typecode");
+    const std::string code = typecode.cast<std::string>();
+    if (code.size() != 1 || std::string("bBhHiIlLqQ").find(code[0]) == std::string::npos) {
+        throw TypeError(name + " must have an integer dtype, got array.array of typecode " +
+                        pybind11::repr(typecode).cast<std::string>());
+    }
+}
+
+/// A memoryview of obj when obj exports a buffer of at least one dimension and is not a str,
+/// bytes, bytearray or numpy scalar (raw bytes where integers belong are refused as before);
+/// else an empty object. Mirror of the reference's args.int_buffer. The memoryview holds the
+/// export, so an array.array cannot be resized while it is read.
+inline pybind11::object int_buffer(pybind11::handle obj) {
+    PyObject* p = obj.ptr();
+    if (!PyObject_CheckBuffer(p) || PyUnicode_Check(p) || PyBytes_Check(p) || PyByteArray_Check(p))
+        return pybind11::object();
+    PyObject* view = PyMemoryView_FromObject(p);
+    if (view == nullptr) throw pybind11::error_already_set();
+    auto held = pybind11::reinterpret_steal<pybind11::object>(view);
+    // A numpy scalar exports a 0-D buffer: one value, not an array.
+    if (PyMemoryView_GET_BUFFER(view)->ndim == 0) return pybind11::object();
+    return held;
 }
 
 }  // namespace kvroute::bindings

@@ -95,61 +95,71 @@ void TokenView::check() const {
     }
 }
 
+namespace {
+
+/// The list/tuple conversion into out. Exact ints are read straight from the sequence, which
+/// cannot change meanwhile (no Python code runs); the first other item may run __index__,
+/// which can resize a list, so from there on a snapshot taken at that point (equal to the list
+/// as passed) is read, as the reference reads tuple(tokens).
+void tokens_from_sequence(py::handle tokens, std::vector<std::uint32_t>& out) {
+    py::object seq = py::reinterpret_borrow<py::object>(tokens);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    out.resize(static_cast<std::size_t>(n));
+    bool snapshot = PyTuple_Check(seq.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+        const auto at = static_cast<std::size_t>(i);
+        if (PyLong_CheckExact(item)) {
+            int overflow = 0;
+            const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (overflow == 0 && value >= 0 && value <= 0xFFFFFFFFLL) {
+                out[at] = static_cast<std::uint32_t>(value);
+                continue;
+            }
+        }
+        if (!snapshot) {
+            seq = py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr()));
+            if (!seq) throw py::error_already_set();
+            snapshot = true;
+            item = PyTuple_GET_ITEM(seq.ptr(), i);
+        }
+        // Slow path, holding its own reference: bools, numpy integers, other __index__ types.
+        py::object held = py::reinterpret_borrow<py::object>(item);
+        py::object index;
+        if (PyLong_CheckExact(item)) {
+            index = held;
+        } else {
+            if (!is_bool(held)) index = as_index(held);
+            if (!index) throw TypeError("tokens[" + std::to_string(at) + "] must be an int, got " + type_name(held));
+        }
+        long long value = 0;
+        if (!int_in_range(index, 0, 0xFFFFFFFFLL, value)) bad_token(py::str(index).cast<std::string>(), at);
+        out[at] = static_cast<std::uint32_t>(value);
+    }
+}
+
+}  // namespace
+
 TokenView tokens_as_uint32(py::handle tokens, bool defer_check) {
     TokenView view;
     py::object arr_obj;
     if (py::isinstance<py::array>(tokens)) {
+        refuse_masked(tokens, "tokens");
         arr_obj = py::reinterpret_borrow<py::object>(tokens);
-    } else if (py::isinstance(tokens, py::module_::import("array").attr("array"))) {
-        py::object typecode = tokens.attr("typecode");
-        const std::string code = typecode.cast<std::string>();
-        if (code.size() != 1 || std::string_view("bBhHiIlLqQ").find(code[0]) == std::string_view::npos) {
-            throw TypeError("tokens must have an integer dtype, got array.array of typecode " +
-                            py::repr(typecode).cast<std::string>());
-        }
-        py::module_ np = py::module_::import("numpy");
-        arr_obj = np.attr("frombuffer")(tokens, py::arg("dtype") = np.attr("dtype")(typecode));
     } else if (PyList_Check(tokens.ptr()) || PyTuple_Check(tokens.ptr())) {
-        const bool is_list = PyList_Check(tokens.ptr());
-        auto length = [&] { return static_cast<std::size_t>(is_list ? PyList_GET_SIZE(tokens.ptr()) : PyTuple_GET_SIZE(tokens.ptr())); };
-        view.owned_.resize(length());
-        // Re-read the length each step: an item's __index__ may run code that resizes the list.
-        for (std::size_t i = 0; i < length(); ++i) {
-            const auto at = static_cast<Py_ssize_t>(i);
-            PyObject* item = is_list ? PyList_GET_ITEM(tokens.ptr(), at) : PyTuple_GET_ITEM(tokens.ptr(), at);
-            if (PyLong_CheckExact(item)) {
-                int overflow = 0;
-                const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
-                if (overflow == 0 && value >= 0 && value <= 0xFFFFFFFFLL) {
-                    if (i >= view.owned_.size()) view.owned_.resize(i + 1);
-                    view.owned_[i] = static_cast<std::uint32_t>(value);
-                    continue;
-                }
-            }
-            // Slow path, holding its own reference: bools, numpy integers, other __index__ types.
-            py::object held = py::reinterpret_borrow<py::object>(item);
-            py::object index;
-            if (PyLong_CheckExact(item)) {
-                index = held;
-            } else {
-                if (!is_bool(held)) index = as_index(held);
-                if (!index) {
-                    throw TypeError("tokens[" + std::to_string(i) + "] must be an int, got " + type_name(held));
-                }
-            }
-            long long value = 0;
-            if (!int_in_range(index, 0, 0xFFFFFFFFLL, value)) bad_token(py::str(index).cast<std::string>(), i);
-            if (i >= view.owned_.size()) view.owned_.resize(i + 1);
-            view.owned_[i] = static_cast<std::uint32_t>(value);
-        }
-        view.owned_.resize(length());
+        tokens_from_sequence(tokens, view.owned_);
         view.data_ = view.owned_.data();
         view.size_ = view.owned_.size();
         return view;
     } else {
-        throw TypeError(
-            "tokens must be a 1-D integer numpy array, a list or tuple of ints, or an array.array, got " +
-            type_name(tokens));
+        if (is_array_array(tokens)) check_array_typecode(tokens, "tokens");
+        py::object mv = int_buffer(tokens);  // array.array, memoryview: numpy reads the format
+        if (!mv) {
+            throw TypeError(
+                "tokens must be a 1-D integer numpy array, a list or tuple of ints, or an array.array, got " +
+                type_name(tokens));
+        }
+        arr_obj = py::module_::import("numpy").attr("asarray")(mv);
     }
 
     py::array arr = py::reinterpret_borrow<py::array>(arr_obj);
@@ -163,10 +173,12 @@ TokenView tokens_as_uint32(py::handle tokens, bool defer_check) {
     }
     const char order = dtype.byteorder();
     const bool native_order = order == '=' || order == '|' || (order == '<') == (PY_BIG_ENDIAN == 0);
-    if (!native_order || !(arr.flags() & py::array::c_style)) {
-        // Rare inputs (strided, byte-swapped) get one numpy copy into the common layout.
-        arr = py::module_::import("numpy").attr("ascontiguousarray")(
-            arr, py::arg("dtype") = dtype.attr("newbyteorder")("="));
+    const bool aligned = reinterpret_cast<std::uintptr_t>(arr.data()) % static_cast<std::uintptr_t>(dtype.itemsize()) == 0;
+    if (!native_order || !(arr.flags() & py::array::c_style) || !aligned) {
+        // Rare inputs (strided, byte-swapped, misaligned: reading those in place is undefined
+        // behaviour) get one numpy copy into fresh memory in the common layout.
+        arr = py::module_::import("numpy").attr("array")(
+            arr, py::arg("dtype") = dtype.attr("newbyteorder")("="), py::arg("order") = "C", py::arg("copy") = true);
     }
     const auto n = static_cast<std::size_t>(arr.shape(0));
     const void* ptr = arr.data();
@@ -233,8 +245,7 @@ std::size_t check_block_size(py::handle block_size) {
 std::string salt_bytes(py::handle salt) {
     if (salt.is_none()) return std::string();
     if (PyUnicode_Check(salt.ptr())) {
-        // str.encode rather than the C API so that errors (lone surrogates) read the same.
-        return salt.attr("encode")("utf-8").cast<std::string>();
+        return utf8_arg(salt, "salt");
     }
     if (PyBytes_Check(salt.ptr()) || PyByteArray_Check(salt.ptr()) || PyMemoryView_Check(salt.ptr())) {
         PyObject* raw = PyBytes_FromObject(salt.ptr());
@@ -250,7 +261,7 @@ std::string utf8_or_none(py::handle value, const char* name) {
     if (value.is_none()) return std::string();
     if (!PyUnicode_Check(value.ptr()))
         throw TypeError(std::string(name) + " must be a str or None, got " + type_name(value));
-    return value.attr("encode")("utf-8").cast<std::string>();
+    return utf8_arg(value, name);
 }
 
 std::uint64_t mm_int(py::handle value, std::size_t i, const char* what, long long lo) {
@@ -286,7 +297,7 @@ RequestKeys request_keys(py::handle lora, py::handle cache_salt, py::handle mm) 
         if (!fields) throw py::error_already_set();
         if (!PyUnicode_Check(fields[0].ptr()))
             throw TypeError("mm[" + std::to_string(i) + "] identifier must be a str, got " + type_name(fields[0]));
-        std::string id = fields[0].attr("encode")("utf-8").cast<std::string>();
+        std::string id = utf8_arg(fields[0], ("mm[" + std::to_string(i) + "] identifier").c_str());
         offsets.push_back(mm_int(fields[1], i, "offset", 0));
         mm_int(fields[2], i, "length", 1);
         keys.ids.push_back(std::move(id));

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .args import int_buffer, refuse_masked, utf8_bytes
+
 MAX_BLOCK_SIZE = 65536
 _TOKEN_LIMIT = 1 << 32
 _SEED_LIMIT = 1 << 64
@@ -131,7 +133,7 @@ def mm_items(mm: Any) -> list[tuple[bytes, int]]:
         ident, offset, length = tuple(item)
         if not isinstance(ident, str):
             raise TypeError(f"mm[{i}] identifier must be a str, got {type(ident).__name__}")
-        raw = ident.encode("utf-8")
+        raw = utf8_bytes(ident, f"mm[{i}] identifier")
         out.append((raw, _mm_int(offset, i, "offset", 0)))
         _mm_int(length, i, "length", 1)
     out.sort(key=lambda it: it[1])  # stable: input order on equal offsets
@@ -152,7 +154,7 @@ def _utf8_or_none(value: Any, name: str) -> bytes:
         return b""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str or None, got {type(value).__name__}")
-    return value.encode("utf-8")
+    return utf8_bytes(value, name)
 
 
 def check_block_size(block_size: Any) -> int:
@@ -170,7 +172,7 @@ def salt_bytes(salt: Any) -> bytes:
     if salt is None:
         return b""
     if isinstance(salt, str):
-        return salt.encode("utf-8")
+        return utf8_bytes(salt, "salt")
     if isinstance(salt, (bytes, bytearray, memoryview)):
         return bytes(salt)
     raise TypeError(f"salt must be str, bytes or None, got {type(salt).__name__}")
@@ -191,6 +193,7 @@ def tokens_as_uint32(tokens: Any) -> np.ndarray:
             )
         return _array_as_uint32(np.frombuffer(tokens, dtype=np.dtype(tokens.typecode)))
     if isinstance(tokens, (list, tuple)):
+        tokens = tuple(tokens)  # a snapshot: an item's __index__ may resize a list
         out = np.empty(len(tokens), dtype="<u4")
         for i, token in enumerate(tokens):
             if isinstance(token, (bool, np.bool_)) or not _is_integer(token):
@@ -200,6 +203,9 @@ def tokens_as_uint32(tokens: Any) -> np.ndarray:
                 raise ValueError(f"token {value} at index {i} is out of range [0, 2**32)")
             out[i] = value
         return out
+    buffered = int_buffer(tokens)  # memoryview or another exporter, read in place
+    if buffered is not None:
+        return _array_as_uint32(buffered)
     raise TypeError(
         "tokens must be a 1-D integer numpy array, a list or tuple of ints, or an "
         f"array.array, got {type(tokens).__name__}"
@@ -207,6 +213,7 @@ def tokens_as_uint32(tokens: Any) -> np.ndarray:
 
 
 def _array_as_uint32(arr: np.ndarray) -> np.ndarray:
+    refuse_masked(arr, "tokens")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"tokens must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .args import int_buffer, refuse_masked
+
 MAX_REPLICAS = 65536
 MAX_ENGINE_BLOCK = 65536  # set_engine_block's largest k (router blocks per engine block)
 """Most replica ids one index can have."""
@@ -49,6 +51,7 @@ def as_hashes(hashes: Any, name: str = "hashes") -> np.ndarray:
             )
         return np.frombuffer(hashes, dtype=np.dtype(hashes.typecode)).astype(np.uint64)
     if isinstance(hashes, (list, tuple)):
+        hashes = tuple(hashes)  # a snapshot: an item's __index__ may resize a list
         out = np.empty(len(hashes), dtype=np.uint64)
         for i, value in enumerate(hashes):
             if isinstance(value, (bool, np.bool_)) or not _is_integer(value):
@@ -58,6 +61,9 @@ def as_hashes(hashes: Any, name: str = "hashes") -> np.ndarray:
                 raise ValueError(f"hash {v} at index {i} is out of range [-2**63, 2**64)")
             out[i] = v & _MASK64
         return out
+    buffered = int_buffer(hashes)  # memoryview or another exporter, read in place
+    if buffered is not None:
+        return _array_as_uint64(buffered, name)
     raise TypeError(
         f"{name} must be a 1-D integer numpy array, a list or tuple of ints, or an "
         f"array.array, got {type(hashes).__name__}"
@@ -592,6 +598,7 @@ def _broken(what: str) -> None:
 
 
 def _array_as_uint64(arr: np.ndarray, name: str) -> np.ndarray:
+    refuse_masked(arr, name)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
     if arr.ndim != 1:

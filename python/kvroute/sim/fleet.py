@@ -91,13 +91,13 @@ class FleetParams:
             raise TypeError(f"event_delay must be a number, got {type(value).__name__}")
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"event_delay must be a finite number >= 0, got {value!r}")
-        if self.per_token_s <= 0:
-            raise ValueError(f"per_token_s must be a finite number > 0, got {self.per_token_s!r}")
         if self.knowledge not in KNOWLEDGE:
             raise ValueError(f"knowledge must be one of {', '.join(KNOWLEDGE)}, got {self.knowledge!r}")
         if not isinstance(self.report_load, bool):
             raise TypeError(f"report_load must be a bool, got {type(self.report_load).__name__}")
         self.engine_config(16)  # the engine parameters' own checks and messages
+        if self.per_token_s <= 0:
+            raise ValueError(f"per_token_s must be a finite number > 0, got {self.per_token_s!r}")
 
     @property
     def prefill_rate(self) -> float:
@@ -318,6 +318,7 @@ class _Run:
                 self.arrivals.append((float(c.start), self._next(), c_idx, 0))
         heapq.heapify(self.arrivals)
         self.busy = [False] * n
+        self.idle: set[int] = set()  # engines with new work to start after this instant's arrivals
         self.requests: list[_Request] = []
         self.rebinds = 0
         self.stranded = 0
@@ -343,6 +344,12 @@ class _Run:
                 t, _, c_idx, t_idx = pop(arrivals)
                 self.now = t
                 self._arrive(c_idx, t_idx, t)
+                if self.idle and not (arrivals and arrivals[0][0] <= t):
+                    # Idle engines start once every request of this instant is queued:
+                    # requests that arrive together are admitted in the same step.
+                    for r in sorted(self.idle):
+                        self._start_step(r, t)
+                    self.idle.clear()
 
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
         turn = self.wl.clients[c_idx].turns[t_idx]
@@ -372,7 +379,7 @@ class _Run:
             EngineRequest(str(rid), None, turn.output_tokens, now, block_hashes=turn.after_hashes,
                           num_prompt_tokens=turn.prompt_tokens), now)
         if not self.busy[r]:
-            self._start_step(r, now)
+            self.idle.add(r)
 
     def _horizon(self, now: float) -> float:
         nxt = self.arrivals[0][0] if self.arrivals else math.inf
