@@ -49,6 +49,9 @@ KNOWLEDGE = ("precise", "approximate", "hybrid")
 
 _ENGINE_DEFAULTS = EngineConfig()
 
+#: Policies whose decisions ignore the prefix index.
+_CACHE_BLIND = frozenset({"round_robin", "random", "least_loaded", "power_of_two", "sticky"})
+
 
 @dataclass(frozen=True)
 class FleetParams:
@@ -306,7 +309,9 @@ class _Run:
         cfg = fleet.engine_config(workload.block_tokens)
         self.engines = [Engine(cfg) for _ in range(n)]
         self.names = [f"replica-{i}" for i in range(n)]
-        feed = router is not None and fleet.knowledge in ("precise", "hybrid")
+        # Policies that never read the index do not need it fed (their predictions stay 0).
+        feed = router is not None and fleet.knowledge in ("precise", "hybrid") and \
+            getattr(router.config, "policy", "") not in _CACHE_BLIND
         self.knowledge = _Knowledge(router.index, n) if feed else None
         self.delay = float(fleet.event_delay)
         self.min_think = _min_think(workload)
