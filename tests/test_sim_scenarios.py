@@ -93,3 +93,19 @@ def test_cli_scenario_and_ideal(capsys):
     assert out[4].startswith("ideal") and out[5].startswith("fraction of the ideal (hit rate / p90 TTFT): round-robin")
     assert cli.main(argv + ["--scenario", "deploy"]) == 2
     assert "--scenario must look like" in capsys.readouterr().err
+
+
+def test_slow_start_ramps_new_replicas_in():
+    # least-loaded sends the idle newcomer everything at first; with a 40 s slow start it
+    # is eligible for about (t - 5) / 40 of the decisions, then for all of them.
+    wl = _wl([0.0] + [6.0 + 2 * i for i in range(30)])
+    sc = Scenario("scale-out", 5.0, add=1)
+    burst = simulate_scenario(wl, "least-loaded", FLEET1, sc)
+    slow = simulate_scenario(wl, "least-loaded", FLEET1, sc, slow_start_s=40.0)
+    early = (burst.records.arrival > 5.0) & (burst.records.arrival < 25.0)
+    assert burst.records.replica[early].mean() > 0.4
+    assert slow.records.replica[early].mean() < burst.records.replica[early].mean()
+    late = slow.records.arrival > 45.0
+    assert 0 < slow.records.replica[late].mean() < 1  # eligible for every decision again
+    with pytest.raises(ValueError, match="slow_start_s"):
+        simulate_scenario(wl, "least-loaded", FLEET1, sc, slow_start_s=-1.0)

@@ -101,7 +101,8 @@ def _run_scenario(args: argparse.Namespace, workload: object, fleet: object, spe
     sc = scenarios.parse(args.scenario)
     rows = []
     for spec in specs:
-        res = scenarios.simulate_scenario(workload, spec, fleet, sc)  # type: ignore[arg-type]
+        res = scenarios.simulate_scenario(workload, spec, fleet, sc,  # type: ignore[arg-type]
+                                          slow_start_s=args.slow_start)
         rows.append((res, scenarios.measure_recovery(res, sc, fleet.replicas)))  # type: ignore[attr-defined]
     if args.json:
         print(json.dumps({"scenario": sc.__dict__, "results": [{**res.as_dict(), "recovery": r.as_dict()}
@@ -225,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--scenario", default=None, metavar="KIND@T[+N]",
                        help="deploy@300 (every replica restarts at 300 s) or scale-out@300+2 (2 replicas join): "
                             "hit-rate recovery per router")
+    p_sim.add_argument("--slow-start", type=float, default=0.0, metavar="S",
+                       help="with --scenario scale-out: new replicas ramp in over S seconds (default 0: at once)")
     p_sim.set_defaults(func=_cmd_simulate)
     p_emu = sub.add_parser("emulate", help="run emulated vLLM engines on the engine model (kvroute.emulate)")
     _emulate_args(p_emu)

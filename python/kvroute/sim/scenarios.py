@@ -82,9 +82,12 @@ class _Action:
 
 class _ScenarioRun(_Run):
     def __init__(self, workload: Workload, fleet: FleetParams, router: Any, sessions: bool,
-                 scenario: Scenario) -> None:
+                 scenario: Scenario, slow_start_s: float = 0.0) -> None:
         super().__init__(workload, fleet, router, sessions, None, None)
         self.scenario = scenario
+        self.slow_start_s = float(slow_start_s)
+        self.joined: dict[str, float] = {}
+        self.rng = np.random.default_rng([fleet.seed, 7])
         self.current: list[Any] = [None] * len(self.engines)
         self.config = fleet.engine_config(workload.block_tokens)
         import heapq
@@ -117,6 +120,18 @@ class _ScenarioRun(_Run):
                                         else o for o in res.outputs])
         super()._step_end(r, res, now)
 
+    def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
+        # Slow start: a new replica is eligible for a share of decisions that ramps from 0
+        # to 1 over slow_start_s (drained for the others), as a weight ramping in would.
+        for name, joined in list(self.joined.items()):
+            weight = (now - joined) / self.slow_start_s
+            if weight >= 1.0:
+                self.router.drain(name, False)
+                del self.joined[name]
+            else:
+                self.router.drain(name, bool(self.rng.random() >= weight))
+        super()._arrive(c_idx, t_idx, now)
+
     def _act(self, now: float) -> None:
         if self.scenario.kind == "scale-out":
             for _ in range(self.scenario.add):
@@ -130,6 +145,8 @@ class _ScenarioRun(_Run):
                     self.knowledge.copies.append({})
                 if self.router is not None and self.router.add_replica(name) != r:
                     raise RuntimeError("the router did not give the new replica the next dense id")
+                if self.slow_start_s > 0:
+                    self.joined[name] = now
             return
         for r in range(len(self.engines)):
             self._restart(r, now)
@@ -159,9 +176,15 @@ class _ScenarioRun(_Run):
 
 
 def simulate_scenario(workload: Workload, router: Any, fleet: FleetParams, scenario: Scenario, *,
-                      sessions: bool | None = None) -> SimResult:
+                      sessions: bool | None = None, slow_start_s: float = 0.0) -> SimResult:
     """Run `workload` on `fleet` (its replicas are the fleet before the change) under
-    `router` (a name, RouterSpec or RouterConfig) with the scenario's change at at_s."""
+    `router` (a name, RouterSpec or RouterConfig) with the scenario's change at at_s.
+
+    slow_start_s > 0 (scale-out): each new replica is eligible for a fraction of the
+    decisions that ramps linearly from 0 to 1 over that many seconds after it joins
+    (emulated with Router.drain per decision: the router itself has no slow start)."""
+    if not isinstance(slow_start_s, (int, float)) or not math.isfinite(slow_start_s) or slow_start_s < 0:
+        raise ValueError(f"slow_start_s must be a finite number >= 0, got {slow_start_s!r}")
     name = ""
     if isinstance(router, str):
         router = router_spec(router)
@@ -172,7 +195,7 @@ def simulate_scenario(workload: Workload, router: Any, fleet: FleetParams, scena
         router = router.config()
     name = name or getattr(router, "policy", "")
     rt = make_router(router, fleet, workload.block_tokens)
-    run = _ScenarioRun(workload, fleet, rt, True if sessions is None else bool(sessions), scenario)
+    run = _ScenarioRun(workload, fleet, rt, True if sessions is None else bool(sessions), scenario, slow_start_s)
     started, cpu_started = time.perf_counter(), time.process_time()
     run.loop()
     rec, m = run.measure()
