@@ -309,6 +309,7 @@ class Follower:
         s = self._live_max
         while s in self._held:
             s -= 1
+        s = max(s, self.last_seq)  # never back over what is applied
         self._attempts = 0
         self._resync(s)
         self._drain()
