@@ -257,3 +257,17 @@ def test_hugging_face_tokenizer_and_chat_template(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     finally:
         ft.stop()
+
+
+def test_a_chat_answer_sent_back_hits_its_own_blocks(fleet):
+    """The answer is the same token sequence the engine cached (the filler, re-tokenized by
+    the chat template), so the next turn's cached tokens reach past the first prompt."""
+    c = client(fleet, 2)
+    first = [{"role": "user", "content": "tell me about prefix caches " * 4}]
+    r1 = c.chat.completions.create(model=MODEL, messages=first, max_tokens=48)
+    p1 = r1.usage.prompt_tokens
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "and then?"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=second, max_tokens=2)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (p1 + 32) // 16 * 16 > p1 // 16 * 16, (p1, cached)
