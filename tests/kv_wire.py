@@ -89,6 +89,7 @@ class Engine:
         self.blocks: OrderedDict[int, int] = OrderedDict()  # physical id -> hash, LRU first
         self.count: dict[int, int] = {}
         self.prefix_of: dict[int, tuple[int, ...]] = {}
+        self.announced: set[int] = set()  # hashes whose last event was a store
         self._next_id = 0
 
     def _hash(self, prefix: tuple[int, ...]) -> int:
@@ -146,12 +147,14 @@ class Engine:
         events: list[Any] = []
         if evicted:
             events.append(removed(self.fmt, [self.wire(h) for h in evicted]))
+            self.announced.difference_update(evicted)
         if new:
             for h in new:
                 used.add(self._next_id)
                 self.blocks[self._next_id] = h
                 self._next_id += 1
                 self.count[h] = self.count.get(h, 0) + 1
+            self.announced.update(new)
             toks = tokens[i * self.ebs : (i + len(new)) * self.ebs]
             events.append(stored(self.fmt, [self.wire(h) for h in new],
                                  None if parent is None else self.wire(parent), toks, self.ebs))
@@ -161,14 +164,32 @@ class Engine:
         """reset_prefix_cache: the engine drops everything."""
         self.blocks.clear()
         self.count.clear()
+        self.announced.clear()
         return [cleared(self.fmt)]
 
     def truth(self) -> list[int]:
-        """Sorted kvroute hashes a PrefixIndex replica should hold for this cache."""
+        """Sorted kvroute hashes of every cached block: an index replica may hold no more."""
+        return self._kv({h for h, c in self.count.items() if c > 0})
+
+    def claimable(self) -> list[int]:
+        """Sorted kvroute hashes an index replica holds under kvroute's duplicate rule: a hash
+        whose last event was a store (one removal drops it even if a second physical copy
+        remains: the documented under-claim). A subset of truth()."""
+        return self._kv(self.announced)
+
+    def reuse(self, tokens: list[int], claimed: bool = False) -> int:
+        """Router blocks of `tokens` the engine would reuse: its longest cached prefix of whole
+        engine blocks (claimed: of blocks whose last event was a store, what kvroute keeps)."""
+        held = self.announced if claimed else {h for h, c in self.count.items() if c > 0}
+        i = 0
+        while (i + 1) * self.ebs <= len(tokens) and self._hash(tuple(tokens[: (i + 1) * self.ebs])) in held:
+            i += 1
+        return i * self.ebs // self.bs
+
+    def _kv(self, hashes: set[int]) -> list[int]:
         out: set[int] = set()
         k = self.ebs // self.bs
-        for h, c in self.count.items():
-            if c > 0:
-                hs = R.block_hashes(list(self.prefix_of[h]), self.bs, salt=self.salt)
-                out.update(int(x) for x in hs[len(hs) - k :])
+        for h in hashes:
+            hs = R.block_hashes(list(self.prefix_of[h]), self.bs, salt=self.salt)
+            out.update(int(x) for x in hs[len(hs) - k :])
         return sorted(out)

@@ -49,7 +49,9 @@ def test_vllm_positional_every_version_length(fields):
     ev = stored("vllm-array", [1, 2], None, TOKS, 16, fields=fields)
     assert len(ev) == fields + 1
     b = decode(batch([ev]))
-    assert b.events == (BlockStored((1, 2), None, tuple(TOKS), 16, "GPU" if fields >= 6 else None),)
+    want = BlockStored((1, 2), None, tuple(TOKS), 16, "GPU" if fields >= 6 else None,
+                       group_idx=0 if fields >= 9 else None)
+    assert b.events == (want,)
     assert applied(batch([ev]))[0] is True
 
 
@@ -77,7 +79,7 @@ def test_vllm_tagged_map_capture():
     ev["locality"] = "LOCAL"
     payload = ENC([1789095808.83, [ev], 0])
     b = decode(payload)
-    assert b.events == (BlockStored((BIG,), None, tuple(range(16)), 16, "GPU"),)
+    assert b.events == (BlockStored((BIG,), None, tuple(range(16)), 16, "GPU", extra_keys=(None,), group_idx=0),)
     assert b.ts == 1789095808.83 and b.dp_rank == 0
     assert applied(payload)[0] is True
 
@@ -93,7 +95,7 @@ def test_sglang_positional_with_salt_map_and_old_removed():
     rm_old = ["BlockRemoved", [-5]]  # older SGLang: no medium
     b = decode(batch([ev, rm_old, removed("sglang", [3], "DISK")]))
     assert b.events == (
-        BlockStored(((1 << 64) - 5,), None, tuple(TOKS[:16]), 16, "CPU_PINNED"),
+        BlockStored(((1 << 64) - 5,), None, tuple(TOKS[:16]), 16, "CPU_PINNED", cache_salt="s"),
         BlockRemoved(((1 << 64) - 5,), None),
         BlockRemoved((3,), "DISK"),
     )
@@ -157,9 +159,11 @@ def test_applied_hash_forms_are_one_block():
         idx = M.PrefixIndex(1)
         a = M.EventApplier(idx)
         assert a.apply(0, payload)
-        return a.replica_stats(0)["engine_blocks"], idx.blocks(0)
+        s = a.stats()
+        return s["stored_blocks"], s["duplicate_stores"], s["removed_blocks"], s["unknown_removals"], idx.blocks(0)
 
-    assert same(run) == ("ok", ("tuple", [1, 1]))
+    # One entry: stored once (twice repeated), removed once (the second removal is unknown).
+    assert same(run) == ("ok", ("tuple", [1, 2, 1, 1, 0]))
 
 
 # -- malformed ----------------------------------------------------------------------------------
@@ -216,17 +220,24 @@ MALFORMED = [
      "event 0 (BlockRemoved) block_hashes must be an array, got nil"),
     (ENC([1, [["BlockRemoved", [1], b"GPU"]]]),
      "event 0 (BlockRemoved) medium must be nil or a str, got bin"),
-    (ENC([1, [["BlockStored", [1], 99, TOKS[:16], 16]]]),
-     "BlockStored parent_block_hash 99 is unknown on replica 0"),
+    (ENC([1, [["BlockStored", [1], None, TOKS[:16], 16, None, None, None, 5]]]),
+     "event 0 (BlockStored) extra_keys must be nil or an array, got int"),
+    (ENC([1, [["BlockStored", [1], None, TOKS[:16], 16, None, None, None, [7]]]]),
+     "event 0 (BlockStored) extra_keys[0] must be nil or an array, got int"),
+    (ENC([1, [["BlockStored", [1], None, TOKS[:16], 16, None, None, None, None, "0"]]]),
+     "event 0 (BlockStored) group_idx must be nil or an int, got str"),
+    (ENC([1, [["BlockRemoved", [1], None, 1.5]]]),
+     "event 0 (BlockRemoved) group_idx must be nil or an int, got float"),
+    (ENC([1, [["BlockStored", [1], None, TOKS[:16], 16, None, None, None, 5, "x"]]]),
+     "event 0 (BlockStored) extra_keys must be nil or an array, got int"),
 ]
 
 
 @pytest.mark.parametrize("payload, message", MALFORMED)
 def test_malformed_payloads_are_skipped_whole(payload, message):
-    if not message.startswith("BlockStored parent"):  # that one is an applier-level check
-        with pytest.raises(MalformedBatch) as info:
-            decode(payload)
-        assert str(info.value) == message
+    with pytest.raises(MalformedBatch) as info:
+        decode(payload)
+    assert str(info.value) == message
     ok, stats, rstats, held = applied(payload)
     assert ok is False and stats["malformed"] == 1 and stats["last_error"] == message
     assert stats["batches"] == 0 and rstats["engine_blocks"] == 0 and held == []

@@ -48,7 +48,12 @@ def make(impl, names=("a", "b", "c", "d"), **kw):
 
 def test_config_defaults_and_params():
     cfg = RouterConfig(policy="sglang", params={"cache_threshold": 0.5})
-    assert cfg.params == {"cache_threshold": 0.5, "balance_abs_threshold": 64, "balance_rel_threshold": 1.5}
+    assert cfg.params == {
+        "cache_threshold": 0.5,
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
+        "min_match_tokens": 256,
+    }
     assert RouterConfig().policy == "ttft"
     assert RouterConfig(policy="sticky").params == {"vnodes": 64, "bound": None}
 
@@ -129,7 +134,7 @@ def test_misuse_is_clear_and_changes_nothing(impl):
         (lambda: r.route(prompt(2), session=5), TypeError, "session must be a str or None, got int"),
         (lambda: r.route([1, -2]), ValueError, "token -2 at index 1 is out of range [0, 2**32)"),
         (lambda: r.route(prompt(2), now=math.inf), ValueError, "now must be finite, got inf"),
-        (lambda: r.route_hashes([1, 2], -5), ValueError, "num_tokens must be in [0, 2**63), got -5"),
+        (lambda: r.route_hashes([1, 2], -5), ValueError, "num_tokens must be in [0, 2**32), got -5"),
         (lambda: r.route_hashes([1, 2], 2.0), TypeError, "num_tokens must be an int, got float"),
         (lambda: r.route_hashes("ab", 2), TypeError, "hashes must be a 1-D integer numpy array"),
     ]
@@ -180,7 +185,7 @@ def test_chain_conflict_changes_nothing(impl):
 
 
 def test_load_accounting_lifecycle(impl):
-    r = make(impl, ["a"], policy="ttft")
+    r = make(impl, ["a"], policy="ttft", params={"min_match_tokens": 0})  # 192 tokens count
     p = prompt(1, 200)  # 12 full blocks + 8 tokens
     d1 = r.route(p)
     assert (d1.matched_blocks, d1.cached_tokens, d1.prompt_tokens) == (0, 0, 200)
@@ -428,7 +433,7 @@ def test_session_ttl_and_lru(impl):
 
 
 def test_precise_mode_only_reads_the_index(impl):
-    r = make(impl, ["a", "b"], mode="precise")
+    r = make(impl, ["a", "b"], mode="precise", params={"min_match_tokens": 0})  # 160 tokens count
     p = prompt(1)
     assert r.route(p).matched_blocks == 0
     assert r.index.num_blocks == 0

@@ -27,11 +27,12 @@ NAMES = [f"r{i}" for i in range(8)]
 _RNG = np.random.default_rng(1234)
 FAMILIES = [_RNG.integers(0, 1000, 64).astype(np.int32) for _ in range(4)]
 
+MIN_MATCH = st.sampled_from([0, 8, 32, 256])
 PARAMS = {
     "sticky": st.fixed_dictionaries({"vnodes": st.sampled_from([1, 8, 64]), "bound": st.sampled_from([None, 1.0, 1.5])}),
     "linear": st.fixed_dictionaries(
         {
-            "min_match_tokens": st.sampled_from([0, 8, 32]),
+            "min_match_tokens": MIN_MATCH,
             "escape_factor": st.sampled_from([1.0, 1.5, 3.0]),
             "w_load": st.sampled_from([0.0, 0.5, 1.0]),
         }
@@ -41,13 +42,19 @@ PARAMS = {
             "balance_abs_threshold": st.sampled_from([0, 1, 64]),
             "balance_rel_threshold": st.sampled_from([1.0, 1.5]),
             "cache_threshold": st.sampled_from([0.0, 0.3, 0.9]),
+            "min_match_tokens": MIN_MATCH,
         }
     ),
     "dynamo": st.fixed_dictionaries(
-        {"temperature": st.sampled_from([0.0, 0.3, 2.0]), "prefill_load_scale": st.sampled_from([0.5, 1.0])}
+        {
+            "temperature": st.sampled_from([0.0, 0.3, 2.0]),
+            "prefill_load_scale": st.sampled_from([0.5, 1.0]),
+            "min_match_tokens": MIN_MATCH,
+        }
     ),
-    "llmd": st.fixed_dictionaries({"w_kv": st.sampled_from([0.0, 2.0])}),
-    "preble": st.fixed_dictionaries({"decode_weight": st.sampled_from([0.0, 32.0])}),
+    "llmd": st.fixed_dictionaries({"w_kv": st.sampled_from([0.0, 2.0]), "min_match_tokens": MIN_MATCH}),
+    "preble": st.fixed_dictionaries({"decode_weight": st.sampled_from([0.0, 32.0]), "min_match_tokens": MIN_MATCH}),
+    "ttft": st.fixed_dictionaries({"min_match_tokens": MIN_MATCH}),
 }
 
 
@@ -82,8 +89,10 @@ class RouterPair(RuleBasedStateMachine):
         capacity=st.sampled_from([None, 6]),
         ttl=st.sampled_from([None, 5.0]),
         seed=st.integers(0, 2**64 - 1),
+        request_ttl=st.sampled_from([7.0, 3600.0]),
+        session_bytes=st.sampled_from([4, 1 << 20]),
     )
-    def setup(self, policy, data, mode, n, capacity, ttl, seed):
+    def setup(self, policy, data, mode, n, capacity, ttl, seed, request_ttl, session_bytes):
         params = data.draw(PARAMS[policy]) if policy in PARAMS else {}
         cfg = RouterConfig(
             policy=policy,
@@ -97,11 +106,14 @@ class RouterPair(RuleBasedStateMachine):
             max_sessions=3,
             seed=seed,
             session_saturation=1.5,
+            request_ttl=request_ttl,
+            max_session_bytes=session_bytes,
         )
         self.routers = [NATIVE.Router(cfg, NAMES[:n]), REFERENCE.Router(cfg, NAMES[:n])]
         self.live = list(NAMES[:n])
         self.t = 0.0
         self.issued = 0
+        self.request_ttl = request_ttl
         self.model: dict[int, dict] = {}  # handle -> request, for the load recomputation
 
     def both(self, fn):
@@ -131,9 +143,12 @@ class RouterPair(RuleBasedStateMachine):
     def record(self, got):
         if got[0] != "ok":
             return
+        # Requests routed request_ttl ago or more were released before this decision.
+        for h in [h for h, q in self.model.items() if q["at"] + self.request_ttl <= self.t]:
+            del self.model[h]
         name, _, _, cached, tokens, _, _, _, handle = got[1]
         self.issued = handle
-        self.model[handle] = {"replica": name, "uncached": tokens - cached, "prefilled": False}
+        self.model[handle] = {"replica": name, "uncached": tokens - cached, "prefilled": False, "at": self.t}
 
     @precondition(lambda self: self.issued > 0)
     @rule(pick=st.integers(0, 1000), bogus=st.sampled_from([False, False, False, True]))
@@ -168,11 +183,16 @@ class RouterPair(RuleBasedStateMachine):
                 if req["replica"] == name:
                     req["replica"] = None
 
-    @rule(name=st.sampled_from(NAMES))
-    def add_replica(self, name):
-        got = self.both(lambda r: r.add_replica(name))
+    @rule(name=st.sampled_from(NAMES), engine_block=st.sampled_from([None, None, 2, 4, 8, 12]))
+    def add_replica(self, name, engine_block):
+        got = self.both(lambda r: r.add_replica(name, engine_block_size=engine_block))
         if got[0] == "ok":
             self.live.append(name)
+
+    @precondition(lambda self: self.routers[0].index.num_replicas < 12)
+    @rule()
+    def add_index_id_directly(self):
+        self.both(lambda r: r.index.add_replica())
 
     @rule(
         name=st.sampled_from(NAMES),
@@ -200,3 +220,11 @@ class RouterPair(RuleBasedStateMachine):
 
 
 TestRouterDifferential = RouterPair.TestCase
+
+
+def test_every_policy_has_a_twin_in_both():
+    from kvroute.reference.policies import POLICIES
+
+    assert list(POLICIES) == list(POLICY_PARAMS)
+    for policy in POLICY_PARAMS:  # the native factory knows every name (else ValueError)
+        assert NATIVE.Router(RouterConfig(policy=policy), ["a"]).route_hashes([1], 16).replica == "a"

@@ -17,7 +17,9 @@ NAMES = ("a", "b", "c")
 
 
 def make(impl, policy="ttft", names=NAMES, mode="precise"):
-    return impl.Router(RouterConfig(policy=policy, block_size=BS, mode=mode), list(names))
+    # min_match_tokens 0: these prompts are a few blocks long; the pending cache is the subject.
+    cfg = RouterConfig(policy=policy, params={"min_match_tokens": 0}, block_size=BS, mode=mode)
+    return impl.Router(cfg, list(names))
 
 
 def chain(family: int, n: int, tail: int = 0) -> list[int]:

@@ -33,20 +33,20 @@ def _workload(clients: list[Client], bt: int = 16) -> Workload:
     return Workload("test", bt, tuple(clients))
 
 
-# Round numbers make every time below exact: 1,000 tokens/s, 10 ms per output token.
-FLEET = sim.FleetParams(replicas=4, cache_tokens=16 * 1000, prefill_rate=1000.0, prefill_overhead=0.0,
-                        time_per_output_token=0.01)
+# Round numbers make every time below exact: a step costs 10 ms + 1 ms per batched token.
+FLEET = sim.FleetParams(replicas=4, cache_tokens=16 * 1000, step_fixed_s=0.01, per_token_s=0.001,
+                        per_kv_token_s=0.0, max_num_batched_tokens=2048)
 
 
 def _by_client(res: sim.SimResult) -> dict[int, dict[str, float]]:
     r = res.records
     return {int(r.client[i]): {"replica": int(r.replica[i]), "cached": int(r.cached_tokens[i]),
-                               "start": float(r.start[i]), "ttft": float(r.ttft[i]), "arrival": float(r.arrival[i])}
+                               "finish": float(r.finish[i]), "ttft": float(r.ttft[i]), "arrival": float(r.arrival[i])}
             for i in range(len(r.client))}
 
 
 # ---------------------------------------------------------------------------------------
-# the event model
+# the fleet of engines (the engine itself: tests/test_sim_engine.py)
 
 
 def test_identical_requests_at_once_all_miss():
@@ -54,79 +54,70 @@ def test_identical_requests_at_once_all_miss():
     wl = _workload([Client(0.0, (_turn(100, 1),)) for _ in range(4)])
     res = sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: c)
     assert res.records.cached_tokens.tolist() == [0, 0, 0, 0]
-    assert res.records.ttft.tolist() == pytest.approx([1.6] * 4)
+    assert res.records.ttft.tolist() == pytest.approx([1.61] * 4)  # one step: 10 ms + 1,600 tokens
     assert res.metrics.hit_rate == 0.0
+    # Two on one replica are admitted in the same step (the second gets the 448 tokens of
+    # budget left): both miss, and the second finishes its prefill in the next step.
+    res = sim.simulate(_workload([Client(0.0, (_turn(100, 1),)) for _ in range(2)]), fleet=FLEET,
+                       assign=lambda c, t, now: 0)
+    assert res.records.cached_tokens.tolist() == [0, 0]
+    assert res.records.ttft.tolist() == pytest.approx([2.058, 2.058 + 0.01 + 1.153])
 
 
-def test_block_reusable_only_after_its_prefill_finished():
-    # A (replica 0) prefills 1,600 tokens over [0, 1.6). B, identical, arrives on replica 1
-    # at 1.0, during A's prefill: a miss. C arrives on replica 0 at 2.0, after A's first
-    # token but before A completes (1.6 + 1.0 decode): A's prompt is already reusable.
+def test_blocks_are_reusable_once_their_step_ended():
+    # A (replica 0) prefills over [0, 1.61). B, identical, arrives on replica 0 at 1.0: it is
+    # admitted at 1.61 and hits every block but the last (the last token is recomputed).
+    # C arrives on replica 1: a miss.
     a = _turn(100, 1)
-    wl = _workload([Client(0.0, (a,)), Client(1.0, (a,)), Client(2.0, (a,))])
-    res = _by_client(sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: [0, 1, 0][c]))
-    assert res[0]["cached"] == 0 and res[0]["ttft"] == pytest.approx(1.6)
-    assert res[1]["cached"] == 0 and res[1]["ttft"] == pytest.approx(1.6)
-    assert res[2]["cached"] == 1600 and res[2]["ttft"] == pytest.approx(0.0)
+    wl = _workload([Client(0.0, (a,)), Client(1.0, (a,)), Client(1.0, (a,))])
+    res = _by_client(sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: [0, 0, 1][c]))
+    assert res[0]["cached"] == 0 and res[0]["ttft"] == pytest.approx(1.61)
+    assert res[1]["cached"] == 1584
+    # Its step: A's decode (1 token) + its 16 tokens, 27 ms, from 1.61.
+    assert res[1]["ttft"] == pytest.approx(1.61 + 0.027 - 1.0)
+    assert res[2]["cached"] == 0
 
 
-def test_output_blocks_reusable_only_at_completion():
-    # The follow-up's prompt covers the first turn's prompt and output. Sent right after the
-    # first token it matches the prompt only; after completion it matches the output too.
-    first = _turn(50, 1, output=320)  # after: 50 + 20 blocks
+def test_output_blocks_are_cached_as_they_fill():
+    # The follow-up's prompt is the first turn's prompt and output (70 blocks). Sent after the
+    # first turn completed, it hits the 69 blocks whose tokens were all computed (the last
+    # output token never is) and recomputes the rest.
+    first = _turn(50, 1, output=320)
     follow = Turn(first.after_hashes[:70], 70 * 16, 10, first.after_hashes[:70])
-    early = _workload([Client(0.0, (first,)), Client(0.5 + 1e-9, (follow,))])
-    late = _workload([Client(0.0, (first,)), Client(0.8 + 3.2 + 1e-9, (follow,))])
-    for wl, expect in ((early, 800), (late, 1120)):
-        res = _by_client(sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: 0))
-        assert res[1]["cached"] == expect
-
-
-def test_prefill_queue_is_fifo_and_decode_does_not_occupy_it():
-    # Three different prompts reach replica 0 at 0.0, 0.1 and 0.2; each starts when the
-    # previous prefill ends, whatever the decode lengths.
-    wl = _workload([Client(0.0, (_turn(100, 1, output=1000),)), Client(0.1, (_turn(50, 1000),)),
-                    Client(0.2, (_turn(25, 2000),))])
+    wl = _workload([Client(0.0, (first,)), Client(100.0, (follow,))])
     res = _by_client(sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: 0))
-    assert [res[i]["start"] for i in range(3)] == pytest.approx([0.0, 1.6, 2.4])
-    assert [res[i]["ttft"] for i in range(3)] == pytest.approx([1.6, 2.3, 2.6])
+    assert res[1]["cached"] == 69 * 16
 
 
-def test_prefill_time_counts_uncached_tokens_and_overhead():
-    fleet = sim.FleetParams(replicas=1, cache_tokens=16 * 1000, prefill_rate=1000.0, prefill_overhead=0.25,
-                            time_per_output_token=0.0)
-    a = _turn(100, 1, extra=7)  # 1,607 tokens; the partial block is never cached
+def test_decodes_and_a_new_prefill_share_a_step():
+    # B arrives during A's prefill step; the next step batches A's decode with B's prompt.
+    a, b = _turn(100, 1, output=100), _turn(50, 1000)
+    res = _by_client(sim.simulate(_workload([Client(0.0, (a,)), Client(0.5, (b,))]), fleet=FLEET,
+                                  assign=lambda c, t, now: 0))
+    assert res[1]["ttft"] == pytest.approx(1.61 + 0.01 + 0.801 - 0.5)
+
+
+def test_prefill_seconds_count_uncached_tokens():
+    a = _turn(100, 1, extra=7, output=20)  # 1,607 tokens; the partial block is never cached
     wl = _workload([Client(0.0, (a,)), Client(10.0, (a,))])
-    res = sim.simulate(wl, fleet=fleet, assign=lambda c, t, now: 0)
+    res = sim.simulate(wl, fleet=FLEET, assign=lambda c, t, now: 0)
     assert res.records.cached_tokens.tolist() == [0, 1600]
-    assert res.records.prefill_s.tolist() == pytest.approx([1.607 + 0.25, 0.007 + 0.25])
-    assert res.metrics.fleet_prefill_s == pytest.approx(1.857 + 0.257)
-
-
-def test_cache_evicts_least_recently_used():
-    # Room for 250 blocks: A and B (100 each) fit; A is read again (most recent), then C
-    # (100) evicts B's suffix first, so B then finds only a prefix and A all of its blocks.
-    fleet = sim.FleetParams(replicas=1, cache_tokens=16 * 250, prefill_rate=1000.0, prefill_overhead=0.0,
-                            time_per_output_token=0.0)
-    a, b, c = _turn(100, 1, output=0), _turn(100, 1000, output=0), _turn(100, 2000, output=0)
-    wl = _workload([Client(0.0, (a,)), Client(5.0, (b,)), Client(10.0, (a,)), Client(15.0, (c,)),
-                    Client(20.0, (b,)), Client(25.0, (a,))])
-    res = sim.simulate(wl, fleet=fleet, assign=lambda cl, t, now: 0)
-    cached = res.records.cached_tokens.tolist()
-    assert cached[:4] == [0, 0, 1600, 0]
-    assert cached[4] == 50 * 16  # C's 100 blocks pushed out B's last 50
-    # B's refill of 50 blocks (the 250-block cache then holds B 100, C 100, A 50) took A's tail.
-    assert cached[5] == 50 * 16
+    assert res.records.prefill_s.tolist() == pytest.approx([1.607, 0.007])
+    assert res.metrics.fleet_prefill_s == pytest.approx(1.614)
 
 
 def test_session_turn_arrives_think_time_after_completion():
     t1 = _turn(10, 1, output=100, session="s", first=True)
     t2 = Turn(t1.after_hashes, len(t1.after_hashes) * 16 + 5, 10, t1.after_hashes, 3.0, "s", False)
     res = sim.simulate(_workload([Client(1.0, (t1, t2))]), fleet=FLEET, assign=lambda c, t, now: 0)
-    # first: arrives 1.0, prefill 0.16, decode 1.0 -> completes 2.16; next arrives 5.16.
-    assert res.records.arrival.tolist() == pytest.approx([1.0, 5.16])
+    # first: arrives 1.0, prefill step 0.17, 99 decode steps of 11 ms -> completes 2.259;
+    # the next turn arrives 3 s later and hits the 16 full blocks computed.
+    assert res.records.arrival.tolist() == pytest.approx([1.0, 5.259])
     assert res.records.cached_tokens.tolist() == [0, 16 * 16]
     assert res.metrics.cold_requests == 1
+    m = res.metrics
+    assert m.tpot_mean == pytest.approx(np.mean([0.011, 0.011]))
+    assert m.throughput_tok_s == pytest.approx(110 / m.makespan_s)
 
 
 def test_assign_out_of_range_is_an_error():
@@ -140,12 +131,16 @@ def test_assign_out_of_range_is_an_error():
 def test_fleet_params_are_validated():
     with pytest.raises(ValueError, match="replicas must be >= 1, got 0"):
         sim.FleetParams(replicas=0)
-    with pytest.raises(ValueError, match="prefill_rate must be a finite number > 0"):
-        sim.FleetParams(prefill_rate=0.0)
+    with pytest.raises(ValueError, match="per_token_s must be a finite number > 0"):
+        sim.FleetParams(per_token_s=0.0)
+    with pytest.raises(TypeError, match="per_token_s must be a number"):
+        sim.FleetParams(per_token_s="fast")
     with pytest.raises(TypeError, match="cache_tokens must be an int"):
         sim.FleetParams(cache_tokens=1.5)
     with pytest.raises(ValueError, match="knowledge must be one of"):
         sim.FleetParams(knowledge="psychic")
+    cfg = sim.FleetParams(cache_tokens=1000).engine_config(16)
+    assert (cfg.block_size, cfg.num_kv_blocks, cfg.max_num_batched_tokens) == (16, 62, 8192)
 
 
 # ---------------------------------------------------------------------------------------
@@ -153,7 +148,7 @@ def test_fleet_params_are_validated():
 
 
 SMALL_CHAT = sim.ChatParams(sessions_per_replica=4, conversations_per_user=2, mean_turns=4.0)
-SMALL_FLEET = sim.FleetParams(replicas=4, cache_tokens=4 * 16_384)
+SMALL_FLEET = sim.FleetParams(replicas=4, cache_tokens=1 << 17)
 
 
 def test_deterministic_per_seed():
@@ -167,32 +162,34 @@ def test_deterministic_per_seed():
     assert c.metrics != a.metrics
 
 
-@pytest.mark.parametrize("router", ["round-robin", "sticky", "cache-aware", "ttft", "dynamo"])
+@pytest.mark.parametrize("router", ["round-robin", "sticky", "cache-aware", "ttft", "llm-d"])
 def test_native_and_reference_simulate_identically(router):
     # The simulation is a pure function of its inputs, so the two implementations of
     # Router and PrefixIndex must give the same run decision for decision.
     wl = sim.chat(sim.ChatParams(sessions_per_replica=2, conversations_per_user=2, mean_turns=3.0,
                                  history_tokens=6000), 3, seed=1)
-    fleet = sim.FleetParams(replicas=3, cache_tokens=16 * 600)
+    fleet = sim.FleetParams(replicas=3, cache_tokens=16 * 4000)
     runs = [sim.simulate(wl, router, fleet, impl=load_impl(name)) for name in ("native", "reference")]
     assert runs[0].records.replica.tolist() == runs[1].records.replica.tolist()
     assert runs[0].metrics == runs[1].metrics
 
 
 @pytest.mark.parametrize("knowledge", ["precise", "approximate", "hybrid"])
-def test_router_prediction_matches_the_caches_under_precise_knowledge(knowledge):
+def test_router_prediction_against_the_engines(knowledge):
     wl = sim.chat(SMALL_CHAT, 4, seed=0)
-    fleet = sim.FleetParams(replicas=4, cache_tokens=4 * 16_384, knowledge=knowledge)
+    fleet = sim.FleetParams(replicas=4, cache_tokens=1 << 20, knowledge=knowledge)
     res = sim.simulate(wl, "cache-aware", fleet)
     rec = res.records
+    assert res.metrics.requests == wl.num_requests
     if knowledge == "precise":
-        # Events are applied at once, and a request's prefill starts with an idle queue
-        # exactly when nothing changed in between: then prediction and outcome agree.
-        idle = rec.start == rec.arrival
-        assert np.array_equal(rec.predicted_cached_tokens[idle], rec.cached_tokens[idle])
+        # Nothing is evicted (a huge cache) and the engine's events are applied at once: a
+        # block the router saw is still cached at admission, so the engine hits at least the
+        # predicted blocks, bar the last one it always recomputes. Never over-claimed.
+        cap = (rec.prompt_tokens - 1) // 16 * 16
+        assert np.all(rec.cached_tokens >= np.minimum(rec.predicted_cached_tokens, cap))
+        assert res.router_stats["event_orphans"] == 0
     else:
         assert res.metrics.predicted_hit_rate > 0
-    assert res.metrics.requests == wl.num_requests
 
 
 def test_event_delay_makes_the_router_blind_to_fresh_blocks():
@@ -201,11 +198,9 @@ def test_event_delay_makes_the_router_blind_to_fresh_blocks():
     t1 = _turn(40, 1, output=64, session="s")
     t2 = Turn(t1.after_hashes, len(t1.after_hashes) * 16, 16, t1.after_hashes, 0.01, "s", False)
     wl = _workload([Client(0.0, (t1, t2))])
-    prompt = [0, 0]
-    for delay, expect in ((0.0, 44 * 16), (5.0, 0)):
+    for delay, expect in ((0.0, 43 * 16), (5.0, 0)):  # 703 tokens computed: 43 full blocks
         res = sim.simulate(wl, "ttft", sim.FleetParams(replicas=2, event_delay=delay))
-        prompt = res.records.predicted_cached_tokens.tolist()
-        assert prompt == [0, expect]
+        assert res.records.predicted_cached_tokens.tolist() == [0, expect]
 
 
 # ---------------------------------------------------------------------------------------
@@ -325,12 +320,19 @@ def test_trace_reader(tmp_path):
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared conversation trace is not checked out")
 def test_trace_infinite_cache_reaches_the_documented_hit_rate():
     # traces/README.md: one infinite cache would reach 37.4% (counting the partial last
-    # block; full blocks only, as kvroute caches, give 37.3%).
+    # block; full blocks only, as kvroute caches, give 37.3%): every earlier prompt's blocks.
     wl = sim.trace(TRACE)
     assert wl.num_requests == 12_031
-    fleet = sim.FleetParams(replicas=1, cache_tokens=1 << 40)
-    res = sim.simulate(wl, fleet=fleet, assign=lambda c, t, now: 0)
-    assert res.metrics.hit_rate == pytest.approx(0.3734, abs=0.0005)
+    seen: set[int] = set()
+    hit = 0
+    for t in wl.turns():
+        hs = t.hashes.tolist()
+        m = 0
+        while m < len(hs) and hs[m] in seen:
+            m += 1
+        hit += m * wl.block_tokens
+        seen.update(hs)
+    assert hit / wl.input_tokens == pytest.approx(0.3734, abs=0.0005)
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,23 +399,28 @@ def test_cli_errors(argv, message, capsys):
 
 @pytest.fixture(scope="module")
 def chat_results():
-    wl = sim.build_workload("chat")
-    return {r.router: r.metrics for r in sim.compare(wl, ["round-robin", "sticky", "cache-aware"])}
+    # The default chat workload on 4 replicas instead of 8 (half the run time; the same
+    # pattern: docs/results.md has the 8-replica run).
+    wl = sim.build_workload("chat", replicas=4)
+    return {r.router: r.metrics for r in sim.compare(wl, ["round-robin", "sticky", "cache-aware"],
+                                                     sim.fleet_for("chat", replicas=4))}
 
 
 def test_round_robin_throws_the_cache_away(chat_results):
     assert chat_results["round-robin"].hit_rate <= 0.15
+    assert chat_results["round-robin"].hit_rate < min(m.hit_rate for m in chat_results.values() if m is not
+                                                      chat_results["round-robin"])
 
 
 def test_sticky_buys_locality_with_balance(chat_results):
     m = chat_results["sticky"]
-    assert 0.35 <= m.hit_rate <= 0.55
-    assert m.busiest_over_mean >= 1.5
+    assert 0.3 <= m.hit_rate <= 0.6
+    assert m.busiest_over_mean >= 1.4
 
 
 def test_cache_aware_keeps_locality_and_balance(chat_results):
     m = chat_results["cache-aware"]
-    assert 0.35 <= m.hit_rate <= 0.55
+    assert 0.25 <= m.hit_rate <= 0.6
     assert m.busiest_over_mean <= 1.15
     assert m.ttft_p90 < min(chat_results["round-robin"].ttft_p90, chat_results["sticky"].ttft_p90)
 
@@ -437,56 +444,41 @@ def _random_runs(draw):
         for t in range(draw(st.integers(1, 3))):
             root = roots[draw(st.integers(0, 2))]
             n = draw(st.integers(0, 12))
-            extra = draw(st.integers(0, 15))
+            extra = draw(st.integers(1, 15))
             out = draw(st.integers(1, 40))
             after = root[: min(12, n + (extra + out) // 16)]
             turns.append(Turn(root[:n], n * 16 + extra, out, after, draw(st.floats(0, 2)), None, t == 0))
             placement[(c, t)] = draw(st.integers(0, replicas - 1))
         clients.append(Client(draw(st.floats(0, 3)), tuple(turns)))
-    fleet = sim.FleetParams(replicas=replicas, cache_tokens=1 << 30, prefill_rate=draw(st.sampled_from([100.0, 1000.0])),
-                            prefill_overhead=draw(st.sampled_from([0.0, 0.05])), time_per_output_token=0.01)
+    fleet = sim.FleetParams(replicas=replicas, cache_tokens=16 * draw(st.sampled_from([30, 2000])),
+                            max_num_batched_tokens=draw(st.sampled_from([64, 8192])), step_fixed_s=0.01,
+                            per_token_s=draw(st.sampled_from([0.001, 0.0001])), per_kv_token_s=1e-5)
     return _workload(clients), fleet, placement
 
 
 @given(_random_runs())
-def test_any_run_obeys_the_event_model(run):
+def test_any_run_obeys_the_engine_model(run):
     wl, fleet, placement = run
     res = sim.simulate(wl, fleet=fleet, assign=lambda c, t, now: placement[(c, t)])
     r = res.records
     turns = [wl.clients[c].turns[t] for c, t in zip(r.client, r.turn)]
-    n = len(turns)
-    assert n == wl.num_requests
-    ends = r.start + r.prefill_s
-    # Prefill time is the uncached tokens at the rate, plus the overhead; TTFT ends there.
+    assert len(turns) == wl.num_requests
+    first = r.arrival + r.ttft
     for i, turn in enumerate(turns):
-        assert r.prefill_s[i] == pytest.approx((turn.prompt_tokens - r.cached_tokens[i]) / fleet.prefill_rate
-                                               + fleet.prefill_overhead)
-        assert r.ttft[i] == pytest.approx(ends[i] - r.arrival[i])
-        assert r.start[i] >= r.arrival[i] - 1e-12
-    # One FIFO queue per replica, work-conserving: prefills start in arrival order, never
-    # overlap, and a request waits only while an earlier one is prefilling.
-    for rep in range(fleet.replicas):
-        idx = [i for i in range(n) if r.replica[i] == rep]
-        idx.sort(key=lambda i: (r.arrival[i], i))
-        assert [r.start[i] for i in idx] == sorted(r.start[i] for i in idx)
-        for a, b in zip(idx, idx[1:]):
-            assert r.start[b] >= ends[a] - 1e-9
-            if r.start[b] > r.arrival[b] + 1e-9:
-                assert r.start[b] == pytest.approx(max(ends[a], r.arrival[b]))
-    # With an unbounded cache, a request's cached tokens are the leading blocks that some
-    # earlier request on its replica had finished writing when its prefill started: the
-    # prompt's blocks at that request's first token, the output's at its completion.
-    done = r.start + r.prefill_s + np.array([t.output_tokens for t in turns]) * fleet.time_per_output_token
-    for i, turn in enumerate(turns):
-        ready = set()
+        # A hit is whole blocks, never the last prompt token, and only blocks that a request
+        # which arrived earlier on the same replica holds (never over-claimed).
+        c = int(r.cached_tokens[i])
+        assert c % 16 == 0 and c <= turn.prompt_tokens - 1
+        best = 0
         for j, other in enumerate(turns):
-            if r.replica[j] != r.replica[i] or j == i:
-                continue
-            if ends[j] <= r.start[i]:
-                ready.update(int(h) for h in other.hashes)
-            if done[j] <= r.start[i]:
-                ready.update(int(h) for h in other.after_hashes)
-        m = 0
-        while m < len(turn.hashes) and int(turn.hashes[m]) in ready:
-            m += 1
-        assert r.cached_tokens[i] == m * 16
+            if r.replica[j] == r.replica[i] and r.arrival[j] <= r.arrival[i] and j != i:
+                m = 0
+                while m < min(len(other.after_hashes), len(turn.hashes)) and \
+                        other.after_hashes[m] == turn.hashes[m]:
+                    m += 1
+                best = max(best, m)
+        assert c <= best * 16
+        # Its own prefill at least, then one step per further token.
+        assert r.ttft[i] >= fleet.step_fixed_s + (turn.prompt_tokens - c) * fleet.per_token_s - 1e-9
+        assert r.finish[i] - first[i] >= (turn.output_tokens - 1) * fleet.step_fixed_s - 1e-9
+        assert r.prefill_s[i] == pytest.approx((turn.prompt_tokens - c) * fleet.per_token_s)

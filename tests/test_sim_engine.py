@@ -141,7 +141,7 @@ def test_eviction_is_lru_over_freed_blocks_tail_first():
     assert e.block_state()["free"] == [4, 5, 1, 0, 3, 2]
     e.add_request(req("c", distinct(15, 200)), 2.0)
     s = e.step(2.0)  # c needs 4 blocks: 4, 5, then a's tail, then a's head
-    assert s.events[:2] == [BlockRemoved((ha[1],)), BlockRemoved((ha[0],))]
+    assert s.events[0] == BlockRemoved((ha[1], ha[0]))
     assert all(h in e.cached_hashes() for h in hb)
     e.add_request(req("d", distinct(8, 100) + [5]), 3.0)
     assert e.step(3.0).outputs[0].cached_tokens == 8  # b's blocks survived
@@ -188,7 +188,7 @@ def test_preemption_by_recompute_of_the_last_running_request():
 def test_run_decodes_equals_step_by_step():
     rng = np.random.default_rng(7)
     batched = 0
-    for trial in range(20):
+    for trial in range(60):
         c = cfg(num_kv_blocks=int(rng.integers(12, 40)), max_num_batched_tokens=int(rng.integers(8, 40)))
         reqs = [req(f"r{i}", rng.integers(0, 5, int(rng.integers(2, 20))).tolist(), int(rng.integers(1, 30)))
                 for i in range(int(rng.integers(1, 6)))]

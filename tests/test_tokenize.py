@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvroute.tokenize import ByteTokenizer, IncrementalEncoder, load_tokenizer
+from kvroute.tokenize import ByteTokenizer, IncrementalEncoder, Tokenizer, load_tokenizer
 from tests.tokenizers_fixture import train_folder
 
 KINDS = ("chatml", "llama3", "metaspace")
@@ -59,6 +59,13 @@ def test_builtin_roundtrip_and_template():
     assert ids.count(257) == len(CHAT) + 1 and max(ids) < tok.vocab_size
     assert tok.encode("a<|im_end|>") == [97, 258]
     assert tok.render_chat(CHAT, add_generation_prompt=False) == text[: -len("<|im_start|>assistant\n")]
+
+
+@given(text=TEXT)
+def test_builtin_encode_array_equals_encode(text):
+    tok = load_tokenizer(None)
+    arr = tok.encode_array(text)
+    assert arr.dtype == np.int32 and arr.tolist() == tok.encode(text)
 
 
 def test_builtin_bad_input():
@@ -153,6 +160,8 @@ def test_incremental_safety_probe():
     class Marks(ByteTokenizer):
         def encode(self, text, *, add_special_tokens=False):
             return super().encode(text) + [256]
+
+        encode_array = Tokenizer.encode_array  # through encode, not the byte fast path
 
     assert load_tokenizer(None).check_boundaries()
     with warnings.catch_warnings():

@@ -64,14 +64,6 @@ std::shared_ptr<EventApplier> make_applier(py::handle index, py::handle block_si
     return std::make_shared<EventApplier>(std::move(ix), size, salt_bytes(salt), std::move(tier));
 }
 
-/// Logs unusable-replica reports once, as the reference does (logger "kvroute.events").
-void log_reports(EventApplier& a) {
-    std::vector<std::string> reports = a.take_reports();
-    if (reports.empty()) return;
-    py::object log = py::module_::import("logging").attr("getLogger")("kvroute.events");
-    for (const auto& msg : reports) log.attr("error")("kvroute.events: %s", msg);
-}
-
 template <class T>
 py::object optional_obj(const std::optional<T>& v) {
     return v ? py::cast(*v) : py::none();
@@ -86,8 +78,9 @@ Applies one fleet's engine KV events (vLLM, SGLang) to a PrefixIndex, one replic
 EventApplier(index, block_size=16, *, salt=None, tier_index=None): block_size and salt must be
 the router's. GPU blocks go to `index`; blocks of other media to `tier_index` when given. Each
 BlockStored's kvroute hashes are recomputed from its token_ids, chained from its parent's;
-duplicate stores are reference-counted per (engine hash, medium). A malformed batch is counted
-and skipped whole. Semantics: kvroute.reference.events.)doc")
+a repeated store of one (engine hash, medium, group) counts once. A malformed batch is counted
+and skipped whole; an event that cannot be resolved is skipped alone. Semantics:
+kvroute.reference.events.)doc")
         .def(py::init([](py::handle index, py::handle block_size, py::handle salt, py::handle tier_index) {
                  return make_applier(index, block_size, salt, tier_index);
              }),
@@ -130,7 +123,6 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                     py::gil_scoped_release release;
                     ok = a.apply(r, reinterpret_cast<const std::uint8_t*>(data), static_cast<std::size_t>(len));
                 }
-                log_reports(a);
                 return ok;
             },
             py::arg("replica"), py::arg("payload"),
@@ -153,12 +145,11 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                     n = a.apply_stored(r, hs.data(), hs.size(), parent ? &*parent : nullptr, tokens.data(),
                                        tokens.size(), size, med ? &*med : nullptr);
                 }
-                log_reports(a);
                 return n;
             },
             py::arg("replica"), py::arg("block_hashes"), py::arg("parent_block_hash"), py::arg("token_ids"),
             py::kw_only(), py::arg("block_size") = py::none(), py::arg("medium") = py::none(),
-            "Apply one BlockStored from arrays; returns engine blocks stored (0 when unusable).")
+            "Apply one BlockStored (group 0, no per-request keys) from arrays; returns its engine blocks.")
         .def(
             "apply_removed",
             [](EventApplier& a, py::handle replica, py::handle block_hashes, py::handle medium) {
@@ -187,7 +178,7 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                 py::gil_scoped_release release;  // drops every block of the replica
                 a.clear_replica(r);
             },
-            py::arg("replica"), "Forget everything about the replica (a resync), unusable mark included.")
+            py::arg("replica"), "Forget everything about the replica (a resync): maps, indexed blocks, learned engine block size.")
         .def(
             "stats",
             [](const EventApplier& a) {
@@ -197,12 +188,15 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                 d["events"] = s.events;
                 d["ignored_events"] = s.ignored_events;
                 d["stored_blocks"] = s.stored_blocks;
+                d["duplicate_stores"] = s.duplicate_stores;
                 d["removed_blocks"] = s.removed_blocks;
                 d["unknown_removals"] = s.unknown_removals;
+                d["unknown_parents"] = s.unknown_parents;
+                d["unsupported_events"] = s.unsupported_events;
                 d["clears"] = s.clears;
                 d["malformed"] = s.malformed;
-                d["ignored_batches"] = s.ignored_batches;
                 d["index_conflicts"] = s.index_conflicts;
+                d["map_evictions"] = s.map_evictions;
                 d["last_error"] = optional_obj(s.last_error);
                 return d;
             },
@@ -217,14 +211,20 @@ and skipped whole. Semantics: kvroute.reference.events.)doc")
                 d["index_blocks"] = s.index_blocks;
                 d["tier_blocks"] = s.tier_blocks;
                 d["engine_block_size"] = optional_obj(s.engine_block_size);
-                d["unusable"] = optional_obj(s.unusable);
+                d["engine_block"] = s.engine_block;
+                py::list groups;
+                for (const std::uint32_t g : s.groups) groups.append(g);
+                d["groups"] = groups;
+                py::dict skipped;
+                for (std::size_t k = 0; k < kSkipKinds; ++k) skipped[kSkipKindNames[k]] = s.skipped[k];
+                d["skipped"] = skipped;
                 d["last_ts"] = optional_obj(s.last_ts);
                 d["salt"] = py::bytes(s.salt);
                 return d;
             },
             py::arg("replica"),
             "One replica: batches, engine_blocks, index_blocks, tier_blocks, engine_block_size, "
-            "unusable, last_ts, salt.")
+            "engine_block, groups, skipped (by kind), last_ts, salt.")
         .def("__repr__", [](const EventApplier& a) {
             return "EventApplier(block_size=" + std::to_string(a.block_size()) + ")";
         });

@@ -62,10 +62,15 @@ std::optional<double> now_arg(py::handle h) {
     return v;
 }
 
-std::optional<std::string> session_arg(py::handle h) {
+// A session id of at most max_session_bytes UTF-8 bytes (the table's byte bound).
+std::optional<std::string> session_arg(py::handle h, std::size_t max_bytes) {
     if (h.is_none()) return std::nullopt;
     if (!PyUnicode_Check(h.ptr())) throw TypeError("session must be a str or None, got " + type_name(h));
-    return utf8_arg(h, "session");
+    std::string s = utf8_arg(h, "session");
+    if (s.size() > max_bytes)
+        throw ValueError("session must be at most " + std::to_string(max_bytes) +
+                         " bytes (max_session_bytes), got " + std::to_string(s.size()));
+    return s;
 }
 
 // A handle; nullopt when it is an int no int64 holds (never issued, so IndexError later).
@@ -82,29 +87,16 @@ std::optional<std::int64_t> handle_arg(py::handle h, std::string& text) {
     return std::nullopt;
 }
 
-Policy policy_of(const std::string& name) {
-    if (name == "round_robin") return Policy::RoundRobin;
-    if (name == "random") return Policy::Random;
-    if (name == "least_loaded") return Policy::LeastLoaded;
-    if (name == "power_of_two") return Policy::PowerOfTwo;
-    if (name == "sticky") return Policy::Sticky;
-    if (name == "linear") return Policy::Linear;
-    if (name == "sglang") return Policy::SGLang;
-    if (name == "dynamo") return Policy::Dynamo;
-    if (name == "llmd") return Policy::LLMD;
-    if (name == "preble") return Policy::Preble;
-    if (name == "ttft") return Policy::TTFT;
-    throw ValueError("unknown policy '" + name + "'");
-}
-
-// RouterConfig validated everything; this only copies its fields.
+// The config as kvroute.config.validated() returns it: RouterConfig's own checks, whatever
+// object (a subclass that skipped them included) was handed in. The core checks again.
 RouterOptions options_from(py::handle config) {
     RouterOptions o;
-    o.policy = policy_of(config.attr("policy").cast<std::string>());
+    o.policy = policy_from_name(config.attr("policy").cast<std::string>());
     const std::string mode = config.attr("mode").cast<std::string>();
-    o.mode = mode == "precise" ? IndexMode::Precise
-             : mode == "hybrid" ? IndexMode::Hybrid
-                                : IndexMode::Approximate;
+    if (mode == "approximate") o.mode = IndexMode::Approximate;
+    else if (mode == "precise") o.mode = IndexMode::Precise;
+    else if (mode == "hybrid") o.mode = IndexMode::Hybrid;
+    else throw ValueError("unknown mode '" + mode + "'");
     o.block_size = config.attr("block_size").cast<std::size_t>();
     o.salt = salt_bytes(config.attr("salt"));
     py::object cap = config.attr("index_capacity");
@@ -114,32 +106,41 @@ RouterOptions options_from(py::handle config) {
     o.speculative_ttl = config.attr("speculative_ttl").cast<double>();
     o.session_ttl = config.attr("session_ttl").cast<double>();
     o.max_sessions = config.attr("max_sessions").cast<std::size_t>();
+    o.max_session_bytes = config.attr("max_session_bytes").cast<std::size_t>();
+    o.request_ttl = config.attr("request_ttl").cast<double>();
     o.seed = config.attr("seed").cast<std::uint64_t>();
     o.prefill_rate = config.attr("prefill_rate").cast<double>();
     o.session_saturation = config.attr("session_saturation").cast<double>();
-    py::dict p = config.attr("params");
-    auto f = [&](const char* key, double& out) {
-        if (p.contains(key)) out = p[key].cast<double>();
-    };
-    auto i = [&](const char* key, std::int64_t& out) {
-        if (p.contains(key)) out = p[key].cast<std::int64_t>();
-    };
-    if (p.contains("vnodes")) o.vnodes = p["vnodes"].cast<std::uint32_t>();
-    if (p.contains("bound") && !p["bound"].is_none()) o.bound = p["bound"].cast<double>();
-    f("w_affinity", o.w_affinity);
-    f("w_load", o.w_load);
-    i("min_match_tokens", o.min_match_tokens);
-    f("escape_factor", o.escape_factor);
-    f("cache_threshold", o.cache_threshold);
-    i("balance_abs_threshold", o.balance_abs_threshold);
-    f("balance_rel_threshold", o.balance_rel_threshold);
-    f("prefill_load_scale", o.prefill_load_scale);
-    f("temperature", o.temperature);
-    f("w_prefix", o.w_prefix);
-    f("w_queue", o.w_queue);
-    f("w_kv", o.w_kv);
-    f("decode_weight", o.decode_weight);
+    for (auto item : py::reinterpret_borrow<py::dict>(config.attr("params")))
+        if (!item.second.is_none()) o.params[item.first.cast<std::string>()] = item.second.cast<double>();
     return o;
+}
+
+// engine_block_size: None or an int in [1, 2**20] (the core checks it against block_size).
+std::optional<std::int64_t> engine_block_arg(py::handle h) {
+    if (h.is_none()) return std::nullopt;
+    PyObject* index = is_bool(h) ? nullptr : PyNumber_Index(h.ptr());
+    if (index == nullptr) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+        throw TypeError("engine_block_size must be an int or None, got " + type_name(h));
+    }
+    py::object v = py::reinterpret_steal<py::object>(index);
+    int overflow = 0;
+    const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0 || raw < 1 || raw > (1 << 20))
+        throw ValueError("engine_block_size must be in [1, 1048576], got " + py::str(v).cast<std::string>());
+    return raw;
+}
+
+// num_tokens: an int in [0, 2**32), so that no load sum can overflow.
+std::int64_t num_tokens_arg(py::handle h) {
+    py::object v = index_arg("num_tokens", h);
+    int overflow = 0;
+    const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0 || raw < 0 || raw > kMaxPromptTokens)
+        throw ValueError("num_tokens must be in [0, 2**32), got " + py::str(v).cast<std::string>());
+    return raw;
 }
 
 // Keeps the RouterConfig object alive next to the core, for Router.config.
@@ -152,9 +153,8 @@ py::object opt_int(const std::optional<std::int64_t>& v) {
     return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
 
-}  // namespace
 
-void register_router(py::module_& m) {
+void register_decision(py::module_& m) {
     py::class_<Decision>(m, "Decision", "Where a request goes and why; `handle` is for prefill_done() and finish().")
         .def_readonly("replica", &Decision::replica, "Name of the chosen replica.")
         .def_readonly("replica_id", &Decision::replica_id, "Dense id of the chosen replica.")
@@ -188,36 +188,23 @@ void register_router(py::module_& m) {
                    ", handle=" + std::to_string(d.handle) + ")";
         });
 
-    py::class_<PyRouter>(m, "Router",
-                         "Chooses a replica per request by KV-cache affinity versus load (see "
-                         "kvroute.reference.router for the contract).")
-        .def(py::init([](py::object config, py::object replicas) {
-                 py::object cls = py::module_::import("kvroute.config").attr("RouterConfig");
-                 if (config.is_none()) config = cls();
-                 if (!py::isinstance(config, cls))
-                     throw TypeError("config must be a RouterConfig or None, got " + type_name(config));
-                 auto r = std::make_unique<PyRouter>();
-                 r->core = std::make_shared<Router>(options_from(config));
-                 r->config = config;
-                 if (PyUnicode_Check(replicas.ptr()) || PyBytes_Check(replicas.ptr()))
-                     throw TypeError("replicas must be an iterable of names, got a single str");
-                 for (py::handle name : py::iter(replicas)) r->core->add_replica(name_arg(name));
-                 return r;
-             }),
-             py::arg("config") = py::none(), py::arg("replicas") = py::tuple())
-        .def_property_readonly("config", [](const PyRouter& r) { return r.config; },
-                               "The RouterConfig this router was built with.")
-        .def_property_readonly("index", [](const PyRouter& r) { return r.core->index(); },
-                               "The prefix index routing reads; events feed it.")
-        .def_property_readonly("speculative_index",
-                               [](const PyRouter& r) { return r.core->speculative_index(); },
-                               "Hybrid mode's short-TTL index of route-time insertions, else None.")
-        .def_property_readonly("replicas", [](const PyRouter& r) { return r.core->replicas(); },
-                               "Names of the replicas, in id order (removed ones left out).")
+}
+
+void def_fleet(py::class_<PyRouter>& cls) {
+    cls
         .def("replica_id", [](const PyRouter& r, py::handle name) { return r.core->replica_id(name_arg(name)); },
              py::arg("name"), "The dense id of a replica (its id in router.index).")
-        .def("add_replica", [](PyRouter& r, py::handle name) { return r.core->add_replica(name_arg(name)); },
-             py::arg("name"), "Add a replica (healthy, not draining); returns its id (the lowest free one).")
+        .def("add_replica",
+             [](PyRouter& r, py::handle name, py::handle engine_block_size) {
+                 const std::string n = name_arg(name);
+                 return r.core->add_replica(n, engine_block_arg(engine_block_size));
+             },
+             py::arg("name"), py::kw_only(), py::arg("engine_block_size") = py::none(),
+             "Add a replica (healthy, not draining); returns its id (the lowest free one). "
+             "engine_block_size: tokens per engine KV block (a multiple of block_size, or at most it; "
+             "None: block_size): matches on it are rounded down to whole engine blocks.")
+        .def("engine_block", [](const PyRouter& r, py::handle name) { return r.core->engine_block(name_arg(name)); },
+             py::arg("name"), "Router blocks per engine block of a replica (1: every router block is whole).")
         .def("remove_replica",
              [](PyRouter& r, py::handle name) {
                  const std::string n = name_arg(name);
@@ -239,7 +226,11 @@ void register_router(py::module_& m) {
                  r.core->replica_id(n);
                  r.core->set_healthy(n, flag_arg("healthy", healthy));
              },
-             py::arg("name"), py::arg("healthy"), "Mark a replica healthy or not; an unhealthy replica is never chosen.")
+             py::arg("name"), py::arg("healthy"), "Mark a replica healthy or not; an unhealthy replica is never chosen.");
+}
+
+void def_load(py::class_<PyRouter>& cls) {
+    cls
         .def("report_load",
              [](PyRouter& r, py::handle name, py::handle waiting, py::handle running, py::handle kv_usage) {
                  const std::string n = name_arg(name);
@@ -291,27 +282,38 @@ void register_router(py::module_& m) {
                  d["stranded_blocks"] = s.stranded_blocks;
                  d["session_expirations"] = s.session_expirations;
                  d["session_evictions"] = s.session_evictions;
+                 d["request_expirations"] = s.request_expirations;
                  d["sessions"] = s.sessions;
+                 d["session_bytes"] = s.session_bytes;
                  d["in_flight"] = s.in_flight;
                  d["replicas"] = s.replicas;
                  return d;
              },
-             "Counters: decisions, tokens, rebinds, sessions, requests in flight.")
+             "Counters: decisions, tokens, rebinds, sessions, requests in flight.");
+}
+
+void def_routing(py::class_<PyRouter>& cls) {
+    cls
         .def("route",
-             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now) {
+             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now, py::handle lora,
+                py::handle cache_salt, py::handle mm) {
                  TokenView view = tokens_as_uint32(tokens);
-                 const std::optional<std::string> s = session_arg(session);
+                 const RequestKeys keys = request_keys(lora, cache_salt, mm);
+                 const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
+                 const CacheKeys k{keys.lora, keys.cache_salt, keys.mm.data(), keys.mm.size()};
                  py::gil_scoped_release release;  // hashing and the index walk loop over the prompt
-                 return r.core->route_tokens(view.data(), view.size(), s, t);
+                 return r.core->route_tokens(view.data(), view.size(), k, s, t);
              },
              py::arg("tokens"), py::kw_only(), py::arg("session") = py::none(), py::arg("now") = py::none(),
-             "Route a prompt of token ids (hashed with config.block_size and config.salt).")
+             py::arg("lora") = py::none(), py::arg("cache_salt") = py::none(), py::arg("mm") = py::none(),
+             "Route a prompt of token ids, hashed with config.block_size and config.salt and the request's "
+             "cache keys (lora, cache_salt, mm: as block_hashes takes them).")
         .def("route_hashes",
              [](PyRouter& r, py::handle hashes, py::handle num_tokens, py::handle session, py::handle now) {
                  HashView view = as_hashes(hashes, "hashes");
-                 const std::int64_t n = count_arg("num_tokens", num_tokens);
-                 const std::optional<std::string> s = session_arg(session);
+                 const std::int64_t n = num_tokens_arg(num_tokens);
+                 const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
                  py::gil_scoped_release release;  // the index walk loops over the prompt
                  return r.core->route_hashes(view.data(), view.size(), n, s, t);
@@ -338,6 +340,38 @@ void register_router(py::module_& m) {
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request ended (completed, failed or cancelled): release its load.");
+}
+
+}  // namespace
+
+void register_router(py::module_& m) {
+    register_decision(m);
+    py::class_<PyRouter> cls(m, "Router",
+                         "Chooses a replica per request by KV-cache affinity versus load (see "
+                         "kvroute.reference.router for the contract).");
+    cls.def(py::init([](py::object config, py::object replicas) {
+                 config = py::module_::import("kvroute.config").attr("validated")(config);
+                 auto r = std::make_unique<PyRouter>();
+                 r->core = std::make_shared<Router>(options_from(config));
+                 r->config = config;
+                 if (PyUnicode_Check(replicas.ptr()) || PyBytes_Check(replicas.ptr()))
+                     throw TypeError("replicas must be an iterable of names, got a single str");
+                 for (py::handle name : py::iter(replicas)) r->core->add_replica(name_arg(name));
+                 return r;
+             }),
+             py::arg("config") = py::none(), py::arg("replicas") = py::tuple())
+        .def_property_readonly("config", [](const PyRouter& r) { return r.config; },
+                               "The RouterConfig this router runs with (kvroute.config.validated of the one given).")
+        .def_property_readonly("index", [](const PyRouter& r) { return r.core->index(); },
+                               "The prefix index routing reads; events feed it.")
+        .def_property_readonly("speculative_index",
+                               [](const PyRouter& r) { return r.core->speculative_index(); },
+                               "Hybrid mode's short-TTL index of route-time insertions, else None.")
+        .def_property_readonly("replicas", [](const PyRouter& r) { return r.core->replicas(); },
+                               "Names of the replicas, in id order (removed ones left out).");
+    def_fleet(cls);
+    def_load(cls);
+    def_routing(cls);
 }
 
 }  // namespace kvroute::bindings

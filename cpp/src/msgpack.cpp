@@ -79,6 +79,7 @@ struct Validator {
         return !key;  // msgspec's Ext objects are not hashable
     }
     bool seq(std::uint64_t n, int depth, bool key) noexcept {
+        if (depth >= kMaxDepth) return false;
         for (std::uint64_t i = 0; i < n; ++i) {
             // Ints inline: token id and hash arrays are most of a batch.
             if (p < end) {
@@ -99,14 +100,14 @@ struct Validator {
         return true;
     }
     bool map(std::uint64_t n, int depth, bool key) noexcept {
-        if (key) return false;  // a dict is not hashable
+        if (key || depth >= kMaxDepth) return false;  // a dict is not hashable
         for (std::uint64_t i = 0; i < n; ++i)
             if (!value(depth + 1, true) || !value(depth + 1, false)) return false;
         return true;
     }
     // `key`: the object is (inside) a map key, where msgspec needs a hashable value.
     bool value(int depth, bool key) noexcept {
-        if (depth > kMaxDepth || !need(1)) return false;
+        if (!need(1)) return false;
         const std::uint8_t c = *p++;
         if (c <= 0x7F || c >= 0xE0) return true;
         if (c >= 0x80 && c <= 0x8F) return map(c & 0x0Fu, depth, key);

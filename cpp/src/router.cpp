@@ -1,59 +1,37 @@
-// Router core. Each step mirrors python/kvroute/reference/router.py so that both make the
+// Router core: replicas, matches, sessions and lifecycle accounting around one policy
+// (policies.cpp). Each step mirrors python/kvroute/reference/router.py so that both make the
 // same decisions bit for bit: same candidate order, same float expressions, same generator.
 #include "kvroute/router.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <list>
+#include <map>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "kvroute/errors.hpp"
 #include "kvroute/hash.hpp"
+#include "policies.hpp"
 
 namespace kvroute {
 
 namespace {
 
-constexpr std::uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
 
-std::uint64_t next_u64(std::uint64_t& state) noexcept {
-    state += kGolden;
-    return mix64(state);
+// Counters saturate instead of overflowing (num_tokens is bounded, their sum over time is not).
+void add_saturating(std::int64_t& total, std::int64_t v) {
+    total = total > kInt64Max - v ? kInt64Max : total + v;
 }
 
-double next_unit(std::uint64_t& state) noexcept {
-    return static_cast<double>(next_u64(state) >> 11) * (1.0 / 9007199254740992.0);
+void require(bool ok, const std::string& what) {
+    if (!ok) throw ValueError(what);
 }
 
-// First candidate with the smallest key; later ones win only when strictly smaller, so ties
-// fall to the rotation order.
-template <class Key>
-std::uint32_t argmin(const std::vector<std::uint32_t>& order, Key key) {
-    std::uint32_t best = order[0];
-    auto best_key = key(best);
-    for (std::size_t i = 1; i < order.size(); ++i) {
-        auto k = key(order[i]);
-        if (k < best_key) {
-            best = order[i];
-            best_key = k;
-        }
-    }
-    return best;
-}
-
-template <class Key>
-std::uint32_t argmax(const std::vector<std::uint32_t>& order, Key key) {
-    std::uint32_t best = order[0];
-    auto best_key = key(best);
-    for (std::size_t i = 1; i < order.size(); ++i) {
-        auto k = key(order[i]);
-        if (k > best_key) {
-            best = order[i];
-            best_key = k;
-        }
-    }
-    return best;
-}
+bool finite_positive(double v) { return std::isfinite(v) && v > 0.0; }
 
 }  // namespace
 
@@ -70,634 +48,586 @@ std::uint64_t fnv1a64(const void* data, std::size_t len) noexcept {
     return h;
 }
 
-Router::Router(RouterOptions options)
-    : opt_(std::move(options)), bs_(static_cast<std::int64_t>(opt_.block_size)), rng_(opt_.seed) {
-    root_ = root_hash(opt_.salt.data(), opt_.salt.size());
-    index_ = std::make_shared<PrefixIndex>(0, opt_.index_capacity, opt_.index_ttl, false);
-    if (opt_.mode == IndexMode::Hybrid)
-        spec_ = std::make_shared<PrefixIndex>(0, opt_.index_capacity, opt_.speculative_ttl, false);
-}
-
-std::uint32_t Router::lookup(const std::string& name) const {
-    auto it = ids_.find(name);
-    if (it == ids_.end()) throw KeyError("unknown replica '" + name + "'");
+double RouterOptions::param(std::string_view key) const {
+    auto it = params.find(key);
+    if (it == params.end()) throw ValueError("params['" + std::string(key) + "'] is missing");
     return it->second;
 }
 
-void Router::reset_slot(std::uint32_t r) {
-    loads_[r] = ReplicaLoad{};
-    inflight_[r] = 0;
-    queued_[r] = 0;
-    eligible_dirty_ = true;
+double RouterOptions::param_or(std::string_view key, double fallback) const {
+    auto it = params.find(key);
+    return it == params.end() ? fallback : it->second;
 }
 
-std::uint32_t Router::add_replica(const std::string& name) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (name.empty()) throw ValueError("replica name must not be empty");
-    if (ids_.count(name)) throw ValueError("replica '" + name + "' already exists");
-    const std::uint32_t r = index_->add_replica();
-    if (spec_) spec_->add_replica();
-    // Ids added to the index directly (not through the Router) stay dead slots here.
-    while (r >= names_.size()) {
-        names_.emplace_back();
-        live_.push_back(0);
-        gen_.push_back(0);
-        loads_.emplace_back();
-        inflight_.push_back(0);
-        queued_.push_back(0);
-        pending_.emplace_back();
+void RouterOptions::check() const {
+    // The core's own guard: whatever object filled these, nothing below divides by zero,
+    // loops forever or reads out of range (kvroute.config has the user-facing messages).
+    require(block_size >= 1 && block_size <= kMaxBlockSize,
+            "block_size must be in [1, " + std::to_string(kMaxBlockSize) + "], got " + std::to_string(block_size));
+    require(!index_capacity || *index_capacity >= 1, "index_capacity must be >= 1");
+    require(!index_ttl || finite_positive(*index_ttl), "index_ttl must be a finite number > 0");
+    require(finite_positive(speculative_ttl), "speculative_ttl must be a finite number > 0");
+    require(finite_positive(session_ttl), "session_ttl must be a finite number > 0");
+    require(finite_positive(request_ttl), "request_ttl must be a finite number > 0");
+    require(max_sessions >= 1, "max_sessions must be >= 1");
+    require(max_session_bytes >= 1, "max_session_bytes must be >= 1");
+    require(finite_positive(prefill_rate), "prefill_rate must be a finite number > 0");
+    require(std::isfinite(session_saturation) && session_saturation >= 1.0,
+            "session_saturation must be a finite number >= 1");
+    for (const auto& [key, value] : params)
+        require(std::isfinite(value) && value >= 0.0,
+                "params['" + key + "'] must be a finite number >= 0, got " + std::to_string(value));
+    if (policy == Policy::Sticky) {
+        const double v = param("vnodes");
+        require(v >= 1.0 && v <= 4096.0 && v == std::floor(v), "params['vnodes'] must be an int in [1, 4096]");
+        require(!params.count("bound") || param("bound") >= 1.0, "params['bound'] must be >= 1");
     }
+}
+
+struct Router::Impl {
+    struct Request {
+        std::int64_t replica;  // -1 once its replica was removed
+        std::int64_t uncached;
+        std::int64_t blocks;
+        std::int64_t uncached_blocks;
+        double routed_at;
+        bool prefilled;
+    };
+    struct Session {
+        std::string key;
+        std::uint32_t replica;
+        std::uint64_t gen;
+        std::int64_t blocks;
+        double last_seen;
+    };
+    using SessionList = std::list<Session>;
+    // Where the session step left a decision.
+    struct Picked {
+        Choice choice{0, ""};
+        const char* binding = "none";
+        std::int64_t stranded = 0;
+        bool expired_entry = false;
+        SessionList::iterator entry;
+    };
+
+    explicit Impl(RouterOptions o);
+
+    std::uint32_t add_replica(const std::string& name, std::optional<std::int64_t> engine_block_size);
+    void remove_replica(const std::string& name);
+    Decision route(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens,
+                   const std::optional<std::string>& session, double t);
+    void prefill_done(std::int64_t handle);
+    void finish(std::int64_t handle);
+
+    std::uint32_t lookup(const std::string& name) const {
+        auto it = ids.find(name);
+        if (it == ids.end()) throw KeyError("unknown replica '" + name + "'");
+        return it->second;
+    }
+    bool eligible(std::uint32_t r) const { return live[r] && loads[r].healthy && !loads[r].draining; }
+
+    std::int64_t engine_k(std::optional<std::int64_t> engine_block_size) const;
+    void align_spec(std::uint32_t r);
+    void grow_slots(std::uint32_t r);
+    void reset_slot(std::uint32_t r);
+    void refresh_eligible();
+    void expire(double t);
+    void compute_match(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens);
+    const std::vector<std::uint32_t>& build_order(std::int64_t excluded);
+    Picked pick(const DecisionView& v, const std::optional<std::string>& session, double t, std::uint64_t& rng);
+    void touch_recency(std::uint32_t chosen);
+    std::int64_t reserve(std::uint32_t chosen, std::int64_t matched, std::size_t pb,
+                         std::int64_t num_tokens, const std::uint64_t* hashes, double t);
+    void release(std::int64_t handle, const Request& req);
+    void update_session(const std::string& key, const Picked& p, std::uint32_t chosen, std::int64_t blocks, double t);
+    void drop_session_front(std::int64_t& counter);
+    Request& request(std::int64_t handle);
+
+    const RouterOptions opt;
+    const std::int64_t bs;
+    const std::int64_t min_match;  // tokens; shorter matches score as none (0: no threshold)
+    std::uint64_t root = 0;
+    std::shared_ptr<PrefixIndex> index;
+    std::shared_ptr<PrefixIndex> spec;
+    std::unique_ptr<RoutingPolicy> policy;
+
+    mutable std::mutex mu;
+    std::vector<std::string> names;
+    std::vector<char> live;
+    std::unordered_map<std::string, std::uint32_t> ids;
+    std::vector<std::uint64_t> gen;
+    std::vector<ReplicaLoad> loads;  // in_flight and queued_prefill_tokens live in the two below
+    std::vector<std::int64_t> inflight;  // hot in every decision: kept contiguous
+    std::vector<std::int64_t> queued;
+    std::vector<std::int32_t> base;     // scratch: the index's (already rounded) match
+    std::vector<std::uint32_t> recency; // live replicas, least recently chosen first
+    std::vector<char> chosen_once;      // chosen since it was added
+    bool eligible_dirty = true;         // eligible_ids is rebuilt only after a membership/flag change
+    std::vector<std::uint32_t> eligible_ids;
+    std::vector<char> eligible_flag;    // by id, rebuilt with eligible_ids
+    std::map<std::int64_t, Request> requests;  // by handle = routing order: the oldest first
+    std::int64_t next_handle = 1;
+    std::uint64_t rng;
+    SessionList lru;  // front: least recently used
+    std::unordered_map<std::string, SessionList::iterator> sessions;
+    std::int64_t session_bytes = 0;
+    RouterStats stats;
+
+    // Scratch reused across decisions (guarded by mu).
+    std::vector<std::int32_t> match;     // real matches: Decision and accounting
+    std::vector<std::int32_t> spec_match;
+    std::vector<std::int32_t> scored;    // min_match > 0: eligible matches below it zeroed, what policies read
+    std::vector<std::uint32_t> order;
+};
+
+Router::Impl::Impl(RouterOptions o)
+    : opt((o.check(), std::move(o))),
+      bs(static_cast<std::int64_t>(opt.block_size)),
+      min_match(static_cast<std::int64_t>(opt.param_or("min_match_tokens", 0.0))),
+      rng(opt.seed) {
+    root = root_hash(opt.salt.data(), opt.salt.size());
+    policy = make_policy(opt);
+    index = std::make_shared<PrefixIndex>(0, opt.index_capacity, opt.index_ttl, false);
+    if (opt.mode == IndexMode::Hybrid)
+        spec = std::make_shared<PrefixIndex>(0, opt.index_capacity, opt.speculative_ttl, false);
+}
+
+std::int64_t Router::Impl::engine_k(std::optional<std::int64_t> size) const {
+    if (!size) return 1;
+    if (*size < 1) throw ValueError("engine_block_size must be >= 1, got " + std::to_string(*size));
+    if (*size <= bs) return 1;  // a router block is whole engine blocks (or contract C2's k = 1)
+    if (*size % bs != 0)
+        throw ValueError("engine_block_size must be a multiple of block_size (" + std::to_string(bs) +
+                         ") or at most it, got " + std::to_string(*size));
+    if (*size / bs > static_cast<std::int64_t>(PrefixIndex::kMaxEngineBlock))
+        throw ValueError("engine_block_size must be at most " + std::to_string(PrefixIndex::kMaxEngineBlock) +
+                         " router blocks, got " + std::to_string(*size / bs));
+    return *size / bs;
+}
+
+// The speculative index must use the main index's id for the same replica, also when ids
+// were taken in router.index directly: claim exactly r there, handing back the rest.
+void Router::Impl::align_spec(std::uint32_t r) {
+    if (!spec) return;
+    if (spec->is_live(r)) spec->remove_replica(r);
+    std::vector<std::uint32_t> others;
+    for (std::uint32_t s = spec->add_replica(); s != r; s = spec->add_replica()) others.push_back(s);
+    for (std::uint32_t s : others) spec->remove_replica(s);
+}
+
+void Router::Impl::grow_slots(std::uint32_t r) {
+    // Ids added to the index directly (not through the Router) stay dead slots here.
+    while (r >= names.size()) {
+        names.emplace_back();
+        live.push_back(0);
+        gen.push_back(0);
+        loads.emplace_back();
+        inflight.push_back(0);
+        queued.push_back(0);
+        chosen_once.push_back(0);
+    }
+}
+
+void Router::Impl::reset_slot(std::uint32_t r) {
+    loads[r] = ReplicaLoad{};
+    inflight[r] = 0;
+    queued[r] = 0;
+    chosen_once[r] = 0;
+    eligible_dirty = true;
+}
+
+std::uint32_t Router::Impl::add_replica(const std::string& name, std::optional<std::int64_t> size) {
+    if (name.empty()) throw ValueError("replica name must not be empty");
+    if (ids.count(name)) throw ValueError("replica '" + name + "' already exists");
+    const std::int64_t k = engine_k(size);
+    const std::uint32_t r = index->add_replica();
+    align_spec(r);
+    grow_slots(r);
     reset_slot(r);
-    names_[r] = name;
-    live_[r] = 1;
-    gen_[r] += 1;
-    ids_.emplace(name, r);
-    rebuild_ring();
+    names[r] = name;
+    live[r] = 1;
+    gen[r] += 1;
+    if (k > 1) index->set_engine_block(r, static_cast<std::uint64_t>(k));
+    ids.emplace(name, r);
+    // Never chosen: ahead of every replica that was, after never-chosen ones with lower ids.
+    auto pos = std::find_if(recency.begin(), recency.end(),
+                            [&](std::uint32_t q) { return chosen_once[q] || q > r; });
+    recency.insert(pos, r);
+    policy->replica_added(r, name);
     return r;
 }
 
-void Router::remove_replica(const std::string& name) {
-    std::lock_guard<std::mutex> lock(mu_);
+void Router::Impl::remove_replica(const std::string& name) {
     const std::uint32_t r = lookup(name);
-    index_->remove_replica(r);
-    if (spec_) spec_->remove_replica(r);
+    index->remove_replica(r);
+    if (spec) spec->remove_replica(r);
     // Their later prefill_done/finish are accepted as no-ops: a gateway cannot avoid racing
     // a removal with the responses still streaming.
-    for (auto& kv : requests_)
-        if (kv.second.replica == static_cast<std::int64_t>(r)) {
-            release_pending(kv.first, kv.second);
-            kv.second.replica = -1;
-        }
+    for (auto& kv : requests)
+        if (kv.second.replica == static_cast<std::int64_t>(r)) kv.second.replica = -1;
+    policy->replica_removed(r, name);
     reset_slot(r);
-    names_[r].clear();
-    live_[r] = 0;
-    ids_.erase(name);
-    rebuild_ring();
+    names[r].clear();
+    live[r] = 0;
+    ids.erase(name);
+    recency.erase(std::find(recency.begin(), recency.end(), r));
+}
+
+void Router::Impl::refresh_eligible() {
+    if (!eligible_dirty) return;
+    eligible_ids.clear();
+    eligible_flag.assign(names.size(), 0);
+    for (std::uint32_t r = 0; r < names.size(); ++r)
+        if (eligible(r)) {
+            eligible_ids.push_back(r);
+            eligible_flag[r] = 1;
+        }
+    eligible_dirty = false;
+}
+
+// Time-driven housekeeping before a decision: index TTLs and requests never finished.
+void Router::Impl::expire(double t) {
+    if (opt.index_ttl) index->expire(t);
+    if (spec) spec->expire(t);
+    while (!requests.empty()) {
+        auto it = requests.begin();
+        if (!(it->second.routed_at + opt.request_ttl <= t)) break;
+        release(it->first, it->second);
+        requests.erase(it);
+        stats.request_expirations += 1;
+    }
+}
+
+void Router::Impl::compute_match(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens) {
+    index->match(hashes, pb, match);
+    match.resize(names.size(), 0);
+    if (spec || policy->extends_match()) {
+        // The index rounds its own answer to whole engine blocks (C2); what the speculative
+        // index and the policy add is rounded here, with the index's k for the replica.
+        base.assign(match.begin(), match.end());
+        if (spec) {
+            spec->match(hashes, pb, spec_match);
+            for (std::size_t r = 0; r < match.size() && r < spec_match.size(); ++r)
+                match[r] = std::max(match[r], spec_match[r]);
+        }
+        policy->extend_match(hashes, pb, eligible_ids, match);
+        for (std::uint32_t r : eligible_ids)
+            if (match[r] != base[r])
+                match[r] -= static_cast<std::int32_t>(match[r] % static_cast<std::int64_t>(index->engine_block(r)));
+    }
+    if (min_match == 0) return;  // policies read match itself
+    // min(m * bs, num_tokens) < min_match  <=>  num_tokens < min_match or m < ceil(min_match / bs)
+    const std::int64_t least = num_tokens < min_match ? std::numeric_limits<std::int32_t>::max()
+                                                      : (min_match + bs - 1) / bs;
+    scored.resize(match.size());
+    for (std::uint32_t r : eligible_ids) scored[r] = match[r] < least ? 0 : match[r];
+}
+
+// Candidates least recently chosen first, so that every tie goes to the one idle longest.
+const std::vector<std::uint32_t>& Router::Impl::build_order(std::int64_t excluded) {
+    if (excluded < 0 && eligible_ids.size() == recency.size()) return recency;  // all live are eligible
+    order.clear();
+    const char* ok = eligible_flag.data();
+    for (std::uint32_t r : recency)
+        if (ok[r] && static_cast<std::int64_t>(r) != excluded) order.push_back(r);
+    return order;
+}
+
+// Session step: keep a bound replica that is still eligible and not saturated, else ask the
+// policy (without the saturated bound replica when another is eligible).
+Router::Impl::Picked Router::Impl::pick(const DecisionView& v, const std::optional<std::string>& session,
+                                        double t, std::uint64_t& r) {
+    Picked p;
+    Session* entry = nullptr;
+    if (session) {
+        p.binding = "new";
+        auto it = sessions.find(*session);
+        if (it != sessions.end()) {
+            p.entry = it->second;
+            if (p.entry->last_seen + opt.session_ttl <= t)
+                p.expired_entry = true;
+            else
+                entry = &*p.entry;
+        }
+    }
+    if (!entry) {
+        p.choice = policy->choose(v, build_order(-1), r);
+        return p;
+    }
+    const std::uint32_t b = entry->replica;
+    const bool valid = eligible(b) && gen[b] == entry->gen;
+    if (valid && !policy->saturated(v, b)) {
+        p.choice = {b, "session"};
+    } else {
+        p.choice = policy->choose(v, build_order(valid && eligible_ids.size() > 1 ? static_cast<std::int64_t>(b) : -1), r);
+    }
+    if (valid && p.choice.replica == b) {
+        p.binding = "kept";
+    } else {
+        p.binding = "rebound";
+        p.stranded = entry->blocks;
+    }
+    return p;
+}
+
+void Router::Impl::touch_recency(std::uint32_t chosen) {
+    chosen_once[chosen] = 1;
+    if (recency.back() == chosen) return;  // chosen again (affinity): already the most recent
+    recency.erase(std::find(recency.begin(), recency.end(), chosen));
+    recency.push_back(chosen);
+}
+
+std::int64_t Router::Impl::reserve(std::uint32_t chosen, std::int64_t matched, std::size_t pb,
+                                   std::int64_t num_tokens, const std::uint64_t* hashes, double t) {
+    const auto p = static_cast<std::int64_t>(pb);
+    const std::int64_t cached = std::min(matched * bs, num_tokens);
+    const std::int64_t h = next_handle++;
+    requests.emplace_hint(requests.end(), h, Request{chosen, num_tokens - cached, p, p - matched, t, false});
+    policy->reserved(h, chosen, hashes, pb);
+    ReplicaLoad& l = loads[chosen];
+    queued[chosen] += num_tokens - cached;
+    inflight[chosen] += 1;
+    l.prefill_requests += 1;
+    l.prefill_blocks += p - matched;
+    stats.routed += 1;
+    add_saturating(stats.prompt_tokens, num_tokens);
+    add_saturating(stats.cached_tokens, cached);
+    return h;
+}
+
+void Router::Impl::drop_session_front(std::int64_t& counter) {
+    session_bytes -= static_cast<std::int64_t>(lru.front().key.size());
+    sessions.erase(lru.front().key);
+    lru.pop_front();
+    counter += 1;
+}
+
+void Router::Impl::update_session(const std::string& key, const Picked& p, std::uint32_t chosen,
+                                  std::int64_t blocks, double t) {
+    if (p.expired_entry) {
+        session_bytes -= static_cast<std::int64_t>(key.size());
+        sessions.erase(key);
+        lru.erase(p.entry);
+        stats.session_expirations += 1;
+    }
+    while (!lru.empty() && !(lru.front().last_seen + opt.session_ttl > t)) drop_session_front(stats.session_expirations);
+    auto it = sessions.find(key);
+    if (it == sessions.end()) {
+        lru.push_back(Session{key, chosen, gen[chosen], blocks, t});
+        sessions.emplace(key, std::prev(lru.end()));
+        session_bytes += static_cast<std::int64_t>(key.size());
+    } else {
+        Session& s = *it->second;
+        s.replica = chosen;
+        s.gen = gen[chosen];
+        s.blocks = blocks;
+        s.last_seen = t;
+        lru.splice(lru.end(), lru, it->second);
+    }
+    // A key is at most max_session_bytes (checked on entry), so this never drops the new one.
+    while (sessions.size() > opt.max_sessions ||
+           session_bytes > static_cast<std::int64_t>(opt.max_session_bytes))
+        drop_session_front(stats.session_evictions);
+}
+
+Decision Router::Impl::route(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens,
+                             const std::optional<std::string>& session, double t) {
+    refresh_eligible();
+    if (eligible_ids.empty())
+        throw StateError("no eligible replica: every replica is removed, drained or unhealthy");
+    expire(t);
+    compute_match(hashes, pb, num_tokens);
+    const DecisionView v{hashes, pb, num_tokens, bs, &session, min_match > 0 ? scored.data() : match.data(),
+                         inflight.data(), queued.data(), loads.data(), &eligible_ids};
+    std::uint64_t r = rng;
+    const Picked p = pick(v, session, t, r);
+    const std::uint32_t chosen = p.choice.replica;
+    // The one step that may still fail (a chain that contradicts the index) comes first.
+    if (opt.mode == IndexMode::Approximate)
+        index->insert(chosen, hashes, pb, t);
+    else if (spec)
+        spec->insert(chosen, hashes, pb, t);
+    rng = r;
+    touch_recency(chosen);
+    const std::int64_t matched = match[chosen];
+    Decision d;
+    d.handle = reserve(chosen, matched, pb, num_tokens, hashes, t);
+    if (p.binding[0] == 'r') {
+        stats.rebinds += 1;
+        stats.stranded_blocks += p.stranded;
+    }
+    if (session) update_session(*session, p, chosen, static_cast<std::int64_t>(pb), t);
+    d.replica = names[chosen];
+    d.replica_id = chosen;
+    d.matched_blocks = matched;
+    d.cached_tokens = std::min(matched * bs, num_tokens);
+    d.prompt_tokens = num_tokens;
+    d.reason = p.choice.reason;
+    d.binding = p.binding;
+    d.stranded_blocks = p.stranded;
+    return d;
+}
+
+Router::Impl::Request& Router::Impl::request(std::int64_t h) {
+    auto it = requests.find(h);
+    if (it == requests.end()) {
+        if (h >= 1 && h < next_handle)
+            throw StateError("request " + std::to_string(h) + " already finished or expired");
+        throw IndexError("unknown handle " + std::to_string(h));
+    }
+    return it->second;
+}
+
+void Router::Impl::release(std::int64_t handle, const Request& req) {
+    if (req.replica < 0) return;
+    const auto r = static_cast<std::uint32_t>(req.replica);
+    ReplicaLoad& l = loads[r];
+    if (req.prefilled) {
+        l.decode_blocks -= req.blocks;
+    } else {
+        policy->released(handle, r);
+        queued[r] -= req.uncached;
+        l.prefill_requests -= 1;
+        l.prefill_blocks -= req.uncached_blocks;
+    }
+    inflight[r] -= 1;
+}
+
+void Router::Impl::prefill_done(std::int64_t handle) {
+    Request& req = request(handle);
+    if (req.replica < 0) return;
+    if (req.prefilled)
+        throw StateError("request " + std::to_string(handle) + " already reported its first token");
+    const auto r = static_cast<std::uint32_t>(req.replica);
+    ReplicaLoad& l = loads[r];
+    req.prefilled = true;
+    policy->released(handle, r);
+    queued[r] -= req.uncached;
+    l.prefill_requests -= 1;
+    l.prefill_blocks -= req.uncached_blocks;
+    l.decode_blocks += req.blocks;
+}
+
+void Router::Impl::finish(std::int64_t handle) {
+    auto it = requests.find(handle);
+    if (it == requests.end()) request(handle);  // throws the right error
+    release(handle, it->second);
+    requests.erase(it);
+}
+
+// -- Router: the lock, then the implementation ----------------------------------------------
+
+Router::Router(RouterOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
+Router::~Router() = default;
+
+std::shared_ptr<PrefixIndex> Router::index() const noexcept { return impl_->index; }
+std::shared_ptr<PrefixIndex> Router::speculative_index() const noexcept { return impl_->spec; }
+const RouterOptions& Router::options() const noexcept { return impl_->opt; }
+
+std::uint32_t Router::add_replica(const std::string& name, std::optional<std::int64_t> engine_block_size) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->add_replica(name, engine_block_size);
+}
+
+void Router::remove_replica(const std::string& name) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->remove_replica(name);
 }
 
 void Router::drain(const std::string& name, bool draining) {
-    std::lock_guard<std::mutex> lock(mu_);
-    loads_[lookup(name)].draining = draining;
-    eligible_dirty_ = true;
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->loads[impl_->lookup(name)].draining = draining;
+    impl_->eligible_dirty = true;
 }
 
 void Router::set_healthy(const std::string& name, bool healthy) {
-    std::lock_guard<std::mutex> lock(mu_);
-    loads_[lookup(name)].healthy = healthy;
-    eligible_dirty_ = true;
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->loads[impl_->lookup(name)].healthy = healthy;
+    impl_->eligible_dirty = true;
 }
 
 std::vector<std::string> Router::replicas() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(impl_->mu);
     std::vector<std::string> out;
-    for (std::size_t r = 0; r < names_.size(); ++r)
-        if (live_[r]) out.push_back(names_[r]);
+    for (std::size_t r = 0; r < impl_->names.size(); ++r)
+        if (impl_->live[r]) out.push_back(impl_->names[r]);
     return out;
 }
 
 std::uint32_t Router::replica_id(const std::string& name) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return lookup(name);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->lookup(name);
+}
+
+std::int64_t Router::engine_block(const std::string& name) const {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return static_cast<std::int64_t>(impl_->index->engine_block(impl_->lookup(name)));
 }
 
 void Router::report_load(const std::string& name, std::optional<std::int64_t> waiting,
                          std::optional<std::int64_t> running, std::optional<double> kv_usage) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ReplicaLoad& l = loads_[lookup(name)];
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    ReplicaLoad& l = impl_->loads[impl_->lookup(name)];
     if (waiting) l.waiting = waiting;
     if (running) l.running = running;
     if (kv_usage) l.kv_usage = kv_usage;
 }
 
 ReplicaLoad Router::load(const std::string& name) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    const std::uint32_t r = lookup(name);
-    ReplicaLoad l = loads_[r];
-    l.in_flight = inflight_[r];
-    l.queued_prefill_tokens = queued_[r];
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    const std::uint32_t r = impl_->lookup(name);
+    ReplicaLoad l = impl_->loads[r];
+    l.in_flight = impl_->inflight[r];
+    l.queued_prefill_tokens = impl_->queued[r];
     return l;
 }
 
 RouterStats Router::stats() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    RouterStats s = stats_;
-    s.sessions = static_cast<std::int64_t>(sessions_.size());
-    s.in_flight = static_cast<std::int64_t>(requests_.size());
-    s.replicas = static_cast<std::int64_t>(ids_.size());
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    RouterStats s = impl_->stats;
+    s.sessions = static_cast<std::int64_t>(impl_->sessions.size());
+    s.session_bytes = impl_->session_bytes;
+    s.in_flight = static_cast<std::int64_t>(impl_->requests.size());
+    s.replicas = static_cast<std::int64_t>(impl_->ids.size());
     return s;
 }
 
-void Router::rebuild_ring() {
-    if (opt_.policy != Policy::Sticky) return;
-    ring_.clear();
-    for (std::uint32_t r = 0; r < names_.size(); ++r) {
-        if (!live_[r]) continue;
-        const std::uint64_t base = fnv1a64(names_[r].data(), names_[r].size());
-        for (std::uint32_t k = 0; k < opt_.vnodes; ++k)
-            ring_.emplace_back(mix64(base + static_cast<std::uint64_t>(k) * kGolden), r);
-    }
-    std::sort(ring_.begin(), ring_.end());
-}
-
-Router::Request& Router::request(std::int64_t h) {
-    auto it = requests_.find(h);
-    if (it == requests_.end()) {
-        if (h >= 1 && h < next_handle_)
-            throw StateError("request " + std::to_string(h) + " already finished");
-        throw IndexError("unknown handle " + std::to_string(h));
-    }
-    return it->second;
-}
-
-void Router::prefill_done(std::int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    Request& req = request(handle);
-    if (req.replica < 0) return;
-    if (req.prefilled)
-        throw StateError("request " + std::to_string(handle) + " already reported its first token");
-    const auto r = static_cast<std::size_t>(req.replica);
-    ReplicaLoad& l = loads_[r];
-    req.prefilled = true;
-    release_pending(handle, req);
-    queued_[r] -= req.uncached;
-    l.prefill_requests -= 1;
-    l.prefill_blocks -= req.uncached_blocks;
-    l.decode_blocks += req.blocks;
-}
-
-void Router::release_pending(std::int64_t handle, Request& req) {
-    if (opt_.policy != Policy::TTFT) return;
-    auto& list = pending_[static_cast<std::size_t>(req.replica)];
-    for (std::size_t i = 0; i < list.size(); ++i) {
-        if (list[i].handle == handle) {
-            list[i] = list.back();
-            list.pop_back();
-            --pending_count_;
-            break;
-        }
-    }
-    std::vector<std::uint64_t>().swap(req.hashes);
-}
-
-void Router::finish(std::int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = requests_.find(handle);
-    if (it == requests_.end()) request(handle);  // throws the right error
-    Request req = std::move(it->second);
-    requests_.erase(it);
-    if (req.replica < 0) return;
-    release_pending(handle, req);
-    const auto r = static_cast<std::size_t>(req.replica);
-    ReplicaLoad& l = loads_[r];
-    if (req.prefilled) {
-        l.decode_blocks -= req.blocks;
-    } else {
-        queued_[r] -= req.uncached;
-        l.prefill_requests -= 1;
-        l.prefill_blocks -= req.uncached_blocks;
-    }
-    inflight_[r] -= 1;
-}
-
-Decision Router::route_tokens(const std::uint32_t* tokens, std::size_t n,
-                              const std::optional<std::string>& session,
-                              std::optional<double> now) {
+Decision Router::route_tokens(const std::uint32_t* tokens, std::size_t n, const CacheKeys& keys,
+                              const std::optional<std::string>& session, std::optional<double> now) {
     // Hashing needs no router state, so it runs before the lock; the buffer is per thread.
     thread_local std::vector<std::uint64_t> hashes;
-    const std::size_t blocks = n / opt_.block_size;
+    const std::size_t bs = impl_->opt.block_size;
+    const std::size_t blocks = n / bs;
     if (hashes.size() < blocks) hashes.resize(blocks);
-    chain_hashes(tokens, n, opt_.block_size, root_, hashes.data());
+    // The same chain the event applier computes from an engine's keys (contract C1).
+    const std::uint64_t root = keyed_root(impl_->root, keys.lora, keys.cache_salt);
+    if (keys.mm_count == 0)
+        chain_hashes(tokens, n, bs, root, hashes.data());
+    else
+        chain_hashes_keyed(tokens, n, bs, root, 0, keys.mm, keys.mm_count, hashes.data());
     return route_hashes(hashes.data(), blocks, static_cast<std::int64_t>(n), session, now);
 }
 
 Decision Router::route_hashes(const std::uint64_t* hashes, std::size_t n, std::int64_t num_tokens,
-                              const std::optional<std::string>& session,
-                              std::optional<double> now) {
+                              const std::optional<std::string>& session, std::optional<double> now) {
+    if (num_tokens < 0 || num_tokens > kMaxPromptTokens)
+        throw ValueError("num_tokens must be in [0, 2**32), got " + std::to_string(num_tokens));
+    if (session && session->size() > impl_->opt.max_session_bytes)
+        throw ValueError("session must be at most " + std::to_string(impl_->opt.max_session_bytes) +
+                         " bytes (max_session_bytes), got " + std::to_string(session->size()));
     const double t = now ? *now : PrefixIndex::monotonic_now();
-    std::lock_guard<std::mutex> lock(mu_);
-    return route_locked(hashes, n, num_tokens, session, t);
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->route(hashes, n, num_tokens, session, t);
 }
 
-const char* Router::generic_reason(const std::vector<std::uint32_t>& order,
-                                   std::uint32_t chosen) const {
-    std::int32_t top = 0;
-    for (std::uint32_t r : order) top = std::max(top, match_[r]);
-    if (top == 0) return "miss";
-    return match_[chosen] == top ? "affinity" : "load";
+void Router::prefill_done(std::int64_t handle) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->prefill_done(handle);
 }
 
-std::int64_t Router::capacity(const std::vector<std::uint32_t>& cands) const {
-    std::int64_t total = 0;
-    for (std::uint32_t r : cands) total += inflight_[r];
-    return static_cast<std::int64_t>(std::ceil(*opt_.bound * static_cast<double>(total + 1) /
-                                               static_cast<double>(cands.size())));
-}
-
-bool Router::saturated(std::uint32_t b, const std::vector<std::uint32_t>& eligible) const {
-    const double n = static_cast<double>(eligible.size());
-    switch (opt_.policy) {
-        case Policy::SGLang: {
-            std::int64_t lo = std::numeric_limits<std::int64_t>::max();
-            for (std::uint32_t r : eligible) lo = std::min(lo, inflight_[r]);
-            const std::int64_t load = inflight_[b];
-            return load - lo > opt_.balance_abs_threshold &&
-                   static_cast<double>(load) > static_cast<double>(lo) * opt_.balance_rel_threshold;
-        }
-        case Policy::Linear: {
-            std::int64_t sum = 0;
-            for (std::uint32_t r : eligible) sum += queued_[r];
-            const double mean = static_cast<double>(sum) / n;
-            return static_cast<double>(queued_[b]) > opt_.escape_factor * mean;
-        }
-        case Policy::Sticky:
-            if (!opt_.bound) return false;
-            return inflight_[b] >= capacity(eligible);
-        default: {
-            std::int64_t sum = 0;
-            for (std::uint32_t r : eligible) sum += inflight_[r];
-            const double mean = static_cast<double>(sum) / n;
-            return static_cast<double>(inflight_[b]) >
-                   std::max(1.0, opt_.session_saturation * mean);
-        }
-    }
-}
-
-std::pair<std::uint32_t, const char*> Router::choose(const std::vector<std::uint32_t>& cands,
-                                                     std::uint64_t& rng, std::size_t pb,
-                                                     std::int64_t num_tokens,
-                                                     const std::optional<std::string>& session,
-                                                     const std::uint64_t* hashes) {
-    // Rotation: ties go to the earliest candidate after the per-decision offset.
-    std::vector<std::uint32_t>& order = order_;
-    order.clear();
-    const std::size_t k = static_cast<std::size_t>(rot_ % cands.size());
-    order.insert(order.end(), cands.begin() + static_cast<std::ptrdiff_t>(k), cands.end());
-    order.insert(order.end(), cands.begin(), cands.begin() + static_cast<std::ptrdiff_t>(k));
-    const std::size_t n = order.size();
-    const auto& L = loads_;
-    const std::int64_t* F = inflight_.data();
-    const std::int64_t* Q = queued_.data();
-    auto inflight = [F](std::uint32_t r) { return F[r]; };
-    auto queued = [Q](std::uint32_t r) { return Q[r]; };
-
-    switch (opt_.policy) {
-        case Policy::RoundRobin:
-            return {order[0], "balance"};
-        case Policy::Random:
-            return {order[static_cast<std::size_t>(next_u64(rng) % n)], "balance"};
-        case Policy::LeastLoaded:
-            return {argmin(order, inflight), "balance"};
-        case Policy::PowerOfTwo: {
-            if (n == 1) return {order[0], "balance"};
-            const std::size_t i = static_cast<std::size_t>(next_u64(rng) % n);
-            std::size_t j = static_cast<std::size_t>(next_u64(rng) % (n - 1));
-            if (j >= i) ++j;
-            const std::uint32_t a = order[i], b = order[j];
-            return {F[b] < F[a] ? b : a, "balance"};
-        }
-        case Policy::Sticky: {
-            std::uint64_t key;
-            if (session) {
-                key = mix64(fnv1a64(session->data(), session->size()));
-            } else if (pb > 0) {
-                key = mix64(hashes[0]);
-            } else {
-                return {order[0], "balance"};
-            }
-            allowed_.assign(names_.size(), 0);
-            for (std::uint32_t r : order) allowed_[r] = 1;
-            const bool bounded = opt_.bound.has_value();
-            // Capacity over every eligible replica, also when a saturated bound one is excluded.
-            const std::int64_t cap = bounded ? capacity(eligible_) : 0;
-            const auto start = static_cast<std::size_t>(
-                std::lower_bound(ring_.begin(), ring_.end(),
-                                 std::make_pair(key, std::uint32_t{0})) -
-                ring_.begin());
-            bool first = true;
-            for (std::size_t i = 0; i < ring_.size(); ++i) {
-                const std::uint32_t r = ring_[(start + i) % ring_.size()].second;
-                if (!allowed_[r]) continue;
-                if (!bounded || F[r] < cap) return {r, first ? "hash" : "overflow"};
-                first = false;
-            }
-            throw StateError("Router invariant broken: bounded loads found no replica below capacity");
-        }
-        case Policy::Linear: {
-            const double wa = opt_.w_affinity, wl = opt_.w_load;
-            auto aff = [&](std::uint32_t r) {
-                const std::int64_t m = mtok(r, num_tokens);
-                return m >= opt_.min_match_tokens ? m : std::int64_t{0};
-            };
-            std::int64_t top = 0;
-            for (std::uint32_t r : order) top = std::max(top, aff(r));
-            auto score = [&](std::uint32_t r) {
-                return wa * static_cast<double>(aff(r)) - wl * static_cast<double>(queued(r));
-            };
-            if (top == 0) return {argmax(order, score), "miss"};
-            std::uint32_t best_aff = order[0];
-            for (std::uint32_t r : order)
-                if (aff(r) == top) {
-                    best_aff = r;
-                    break;
-                }
-            std::int64_t sum = 0;
-            for (std::uint32_t r : order) sum += queued(r);
-            const double mean = static_cast<double>(sum) / static_cast<double>(n);
-            if (static_cast<double>(queued(best_aff)) > opt_.escape_factor * mean)
-                return {argmin(order, queued), "load"};
-            const std::uint32_t chosen = argmax(order, score);
-            return {chosen, aff(chosen) == top ? "affinity" : "load"};
-        }
-        case Policy::SGLang: {
-            std::int64_t lo = std::numeric_limits<std::int64_t>::max(), hi = 0;
-            for (std::uint32_t r : order) {
-                lo = std::min(lo, F[r]);
-                hi = std::max(hi, F[r]);
-            }
-            if (hi - lo > opt_.balance_abs_threshold &&
-                static_cast<double>(hi) > static_cast<double>(lo) * opt_.balance_rel_threshold)
-                return {argmin(order, inflight), "load"};
-            std::int32_t top = 0;
-            for (std::uint32_t r : order) top = std::max(top, match_[r]);
-            const std::int64_t mt = std::min(
-                static_cast<std::int64_t>(top) * static_cast<std::int64_t>(opt_.block_size), num_tokens);
-            const double rate =
-                num_tokens > 0 ? static_cast<double>(mt) / static_cast<double>(num_tokens) : 0.0;
-            if (rate > opt_.cache_threshold) {
-                for (std::uint32_t r : order)
-                    if (match_[r] == top) return {r, "affinity"};
-            }
-            return {argmin(order, inflight), "miss"};
-        }
-        case Policy::Dynamo: {
-            const auto pbi = static_cast<std::int64_t>(pb);
-            std::vector<double>& costs = scratch_;
-            costs.resize(n);
-            for (std::size_t i = 0; i < n; ++i) {
-                const std::uint32_t r = order[i];
-                const std::int64_t adj =
-                    std::max<std::int64_t>(L[r].prefill_blocks + pbi - match_[r], 0);
-                costs[i] = opt_.prefill_load_scale * static_cast<double>(adj) +
-                           static_cast<double>(L[r].decode_blocks + pbi);
-            }
-            std::uint32_t chosen;
-            if (opt_.temperature > 0.0) {
-                double lo = costs[0], hi = costs[0];
-                for (double c : costs) {
-                    lo = std::min(lo, c);
-                    hi = std::max(hi, c);
-                }
-                const double span = hi - lo;
-                double total = 0.0;
-                for (double& c : costs) {
-                    const double norm = span > 0.0 ? (c - lo) / span : 0.0;
-                    c = std::exp(-norm / opt_.temperature);
-                    total += c;
-                }
-                const double u = next_unit(rng) * total;
-                double acc = 0.0;
-                chosen = order[n - 1];
-                for (std::size_t i = 0; i < n; ++i) {
-                    acc += costs[i];
-                    if (u < acc) {
-                        chosen = order[i];
-                        break;
-                    }
-                }
-            } else {
-                std::size_t best = 0;
-                for (std::size_t i = 1; i < n; ++i)
-                    if (costs[i] < costs[best]) best = i;
-                chosen = order[best];
-            }
-            return {chosen, generic_reason(order, chosen)};
-        }
-        case Policy::LLMD: {
-            auto q = [&](std::uint32_t r) {
-                return L[r].waiting ? *L[r].waiting : L[r].prefill_requests;
-            };
-            std::int64_t qmax = q(order[0]), qmin = qmax;
-            for (std::uint32_t r : order) {
-                qmax = std::max(qmax, q(r));
-                qmin = std::min(qmin, q(r));
-            }
-            auto score = [&](std::uint32_t r) {
-                const double prefix =
-                    pb > 0 ? static_cast<double>(match_[r]) / static_cast<double>(pb) : 0.0;
-                const double queue = qmax > qmin ? static_cast<double>(qmax - q(r)) /
-                                                       static_cast<double>(qmax - qmin)
-                                                 : 1.0;
-                const double kv = 1.0 - (L[r].kv_usage ? *L[r].kv_usage : 0.0);
-                return opt_.w_prefix * prefix + opt_.w_queue * queue + opt_.w_kv * kv;
-            };
-            const std::uint32_t chosen = argmax(order, score);
-            return {chosen, generic_reason(order, chosen)};
-        }
-        case Policy::Preble: {
-            const double dw = opt_.decode_weight;
-            auto cost = [&](std::uint32_t r) {
-                return static_cast<double>(queued(r) + num_tokens - mtok(r, num_tokens)) +
-                       dw * static_cast<double>(F[r]);
-            };
-            std::int32_t top = 0;
-            for (std::uint32_t r : order) top = std::max(top, match_[r]);
-            const std::int64_t mt = std::min(
-                static_cast<std::int64_t>(top) * static_cast<std::int64_t>(opt_.block_size), num_tokens);
-            std::uint32_t chosen;
-            if (mt > num_tokens - mt) {
-                pool_.clear();
-                for (std::uint32_t r : order)
-                    if (match_[r] == top) pool_.push_back(r);
-                chosen = argmin(pool_, cost);
-            } else {
-                chosen = argmin(order, cost);
-            }
-            return {chosen, generic_reason(order, chosen)};
-        }
-        case Policy::TTFT:
-        default: {
-            // Queued + uncached tokens over one shared prefill rate: comparing tokens is exact.
-            // Ties: the longer match, then fewer in flight, then the rotation order.
-            // Plus the prefill this request adds to the fleet beyond the best-cached candidate.
-            const std::int32_t* M = match_.data();
-            std::int32_t top = 0;
-            for (std::size_t i = 0; i < n; ++i) top = std::max(top, M[order[i]]);
-            const std::int64_t least_uncached = num_tokens - std::min(std::int64_t{top} * bs_, num_tokens);
-            std::uint32_t chosen = order[0];
-            std::int64_t best_tok = 0, best_m = -1, best_f = 0;
-            for (std::size_t i = 0; i < n; ++i) {
-                const std::uint32_t r = order[i];
-                const std::int64_t m = M[r];
-                const std::int64_t tok =
-                    Q[r] + 2 * (num_tokens - std::min(m * bs_, num_tokens)) - least_uncached;
-                if (best_m < 0 || tok < best_tok ||
-                    (tok == best_tok && (m > best_m || (m == best_m && F[r] < best_f)))) {
-                    chosen = r;
-                    best_tok = tok;
-                    best_m = m;
-                    best_f = F[r];
-                }
-            }
-            const char* why = top == 0 ? "miss" : (M[chosen] == top ? "affinity" : "load");
-            return {chosen, why};
-        }
-    }
-}
-
-Decision Router::route_locked(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens,
-                              const std::optional<std::string>& session, double t) {
-    if (eligible_dirty_) {
-        eligible_.clear();
-        for (std::uint32_t r = 0; r < names_.size(); ++r)
-            if (eligible(r)) eligible_.push_back(r);
-        eligible_dirty_ = false;
-    }
-    if (eligible_.empty())
-        throw StateError("no eligible replica: every replica is removed, drained or unhealthy");
-    if (opt_.index_ttl) index_->expire(t);
-    if (spec_) spec_->expire(t);
-    index_->match(hashes, pb, match_);
-    match_.resize(names_.size(), 0);
-    if (spec_) {
-        spec_->match(hashes, pb, spec_match_);
-        for (std::size_t r = 0; r < match_.size() && r < spec_match_.size(); ++r)
-            match_[r] = std::max(match_[r], spec_match_[r]);
-    }
-    if (opt_.policy == Policy::TTFT && pending_count_ > 0) {
-        // A prompt queued behind a request with the same leading blocks on the same FIFO
-        // replica finds them cached when its own prefill starts: count them as matched.
-        for (std::uint32_t r : eligible_) {
-            std::size_t m = static_cast<std::size_t>(match_[r]);
-            for (const Pending& q : pending_[r]) {
-                const std::size_t len = std::min(q.len, pb);
-                if (len <= m) continue;
-                std::size_t k = 0;
-                while (k < len && q.hashes[k] == hashes[k]) ++k;
-                m = std::max(m, k);
-            }
-            match_[r] = static_cast<std::int32_t>(m);
-        }
-    }
-
-    std::uint64_t rng = rng_;
-    const char* binding = session ? "new" : "none";
-    std::int64_t stranded = 0;
-    std::uint32_t chosen = 0;
-    const char* reason = "";
-    Session* entry = nullptr;
-    bool expired_entry = false;
-    SessionList::iterator entry_it;
-    if (session) {
-        auto it = sessions_.find(*session);
-        if (it != sessions_.end()) {
-            entry_it = it->second;
-            if (entry_it->last_seen + opt_.session_ttl <= t)
-                expired_entry = true;
-            else
-                entry = &*entry_it;
-        }
-    }
-    if (entry) {
-        const std::uint32_t b = entry->replica;
-        const bool valid = eligible(b) && gen_[b] == entry->gen;
-        if (valid && !saturated(b, eligible_)) {
-            chosen = b;
-            reason = "session";
-        } else {
-            if (valid && eligible_.size() > 1) {
-                std::vector<std::uint32_t> cands;
-                cands.reserve(eligible_.size() - 1);
-                for (std::uint32_t r : eligible_)
-                    if (r != b) cands.push_back(r);
-                std::tie(chosen, reason) = choose(cands, rng, pb, num_tokens, session, hashes);
-            } else {
-                std::tie(chosen, reason) = choose(eligible_, rng, pb, num_tokens, session, hashes);
-            }
-        }
-        if (valid && chosen == b) {
-            binding = "kept";
-        } else {
-            binding = "rebound";
-            stranded = entry->blocks;
-        }
-    } else {
-        std::tie(chosen, reason) = choose(eligible_, rng, pb, num_tokens, session, hashes);
-    }
-
-    // The one step that may still fail (a chain that contradicts the index) comes first.
-    if (opt_.mode == IndexMode::Approximate)
-        index_->insert(chosen, hashes, pb, t);
-    else if (spec_)
-        spec_->insert(chosen, hashes, pb, t);
-
-    rot_ += 1;
-    rng_ = rng;
-    const auto p = static_cast<std::int64_t>(pb);
-    const std::int64_t matched = match_[chosen];
-    const std::int64_t cached =
-        std::min(matched * static_cast<std::int64_t>(opt_.block_size), num_tokens);
-    const std::int64_t uncached_blocks = p - matched;
-    const std::int64_t h = next_handle_++;
-    auto slot = requests_.emplace(h, Request{chosen, num_tokens - cached, p, uncached_blocks, false, {}});
-    if (opt_.policy == Policy::TTFT) {
-        std::vector<std::uint64_t>& kept = slot.first->second.hashes;
-        kept.assign(hashes, hashes + pb);
-        pending_[chosen].push_back(Pending{h, kept.data(), kept.size()});
-        ++pending_count_;
-    }
-    ReplicaLoad& l = loads_[chosen];
-    queued_[chosen] += num_tokens - cached;
-    inflight_[chosen] += 1;
-    l.prefill_requests += 1;
-    l.prefill_blocks += uncached_blocks;
-    stats_.routed += 1;
-    stats_.prompt_tokens += num_tokens;
-    stats_.cached_tokens += cached;
-    if (binding[0] == 'r') {
-        stats_.rebinds += 1;
-        stats_.stranded_blocks += stranded;
-    }
-    if (session) {
-        if (expired_entry) {
-            sessions_.erase(*session);
-            lru_.erase(entry_it);
-            stats_.session_expirations += 1;
-        }
-        while (!lru_.empty() && !(lru_.front().last_seen + opt_.session_ttl > t)) {
-            sessions_.erase(lru_.front().key);
-            lru_.pop_front();
-            stats_.session_expirations += 1;
-        }
-        auto it = sessions_.find(*session);
-        if (it == sessions_.end()) {
-            lru_.push_back(Session{*session, chosen, gen_[chosen], p, t});
-            sessions_.emplace(*session, std::prev(lru_.end()));
-        } else {
-            Session& s = *it->second;
-            s.replica = chosen;
-            s.gen = gen_[chosen];
-            s.blocks = p;
-            s.last_seen = t;
-            lru_.splice(lru_.end(), lru_, it->second);
-        }
-        while (sessions_.size() > opt_.max_sessions) {
-            sessions_.erase(lru_.front().key);
-            lru_.pop_front();
-            stats_.session_evictions += 1;
-        }
-    }
-
-    Decision d;
-    d.replica = names_[chosen];
-    d.replica_id = chosen;
-    d.matched_blocks = matched;
-    d.cached_tokens = cached;
-    d.prompt_tokens = num_tokens;
-    d.reason = reason;
-    d.binding = binding;
-    d.stranded_blocks = stranded;
-    d.handle = h;
-    return d;
+void Router::finish(std::int64_t handle) {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->finish(handle);
 }
 
 }  // namespace kvroute

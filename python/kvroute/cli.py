@@ -26,6 +26,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     from . import sim
     from .sim import report
+    from .sim.ideal import fraction_of_ideal, fraction_text, simulate_ideal
 
     name, *rest = args.workload
     if name not in sim.WORKLOADS:
@@ -41,8 +42,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     fleet = sim.fleet_for(name, replicas=args.replicas, seed=args.seed, knowledge=args.knowledge,
                           event_delay=args.event_delay, cache_tokens=args.cache_tokens,
                           prefill_rate=args.prefill_rate)
+    rate = args.rate
+    if args.sweep and name == "shared-prefix" and rate is None:
+        rate = sim.SWEEP_SHARED_PREFIX_RATE  # a sweep scales arrivals: all-at-once has none to scale
     workload = sim.build_workload(name, path=path, replicas=args.replicas, seed=args.seed,
-                                  time_scale=args.time_scale, rate=args.rate)
+                                  time_scale=args.time_scale, rate=rate)
+    if args.scenario:
+        return _run_scenario(args, workload, fleet, specs)
+    if args.sweep:
+        return _sweep(args, workload, specs, fleet)
     results = []
     show = not args.json and sys.stderr.isatty() or args.progress
     if show:
@@ -66,14 +74,114 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     }
     if args.plot:
         report.plot(results, args.plot, f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge}")
+    ideal = None if args.no_ideal else simulate_ideal(workload, fleet)
     if args.json:
-        print(json.dumps(report.as_json(results, **context), indent=2))
+        out = report.as_json(results, **context)
+        if ideal is not None:
+            out["ideal"] = ideal.as_dict()
+            for r, res in zip(out["results"], results):
+                r["fraction_of_ideal"] = fraction_of_ideal(res, ideal)
+        print(json.dumps(out, indent=2))
     else:
         print(f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge} knowledge "
               f"({kvroute.implementation} implementation)")
-        print(report.text_table(results))
+        print(report.text_table(results + ([ideal] if ideal is not None else [])))
+        if ideal is not None:
+            print(fraction_text(results, ideal))
         if args.plot:
             print(f"per-replica prefill seconds: {args.plot}")
+    return 0
+
+
+def _run_scenario(args: argparse.Namespace, workload: object, fleet: object, specs: list) -> int:
+    import json
+
+    from .sim import scenarios
+
+    sc = scenarios.parse(args.scenario)
+    rows = []
+    for spec in specs:
+        res = scenarios.simulate_scenario(workload, spec, fleet, sc,  # type: ignore[arg-type]
+                                          slow_start_s=args.slow_start)
+        rows.append((res, scenarios.measure_recovery(res, sc, fleet.replicas)))  # type: ignore[attr-defined]
+    if args.json:
+        print(json.dumps({"scenario": sc.__dict__, "results": [{**res.as_dict(), "recovery": r.as_dict()}
+                                                               for res, r in rows]}, indent=2))
+    else:
+        what = (f"{sc.add} replicas join at {sc.at_s:g} s" if sc.kind == "scale-out"
+                else f"every replica restarts at {sc.at_s:g} s")
+        print(f"{workload.description}; {fleet.replicas} replicas, {what} (60 s windows)")  # type: ignore[attr-defined]
+        print(scenarios.recovery_text(rows))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, workload: object, specs: list, fleet: object) -> int:
+    import json
+
+    from . import sim
+    from .sim import report
+
+    sweeps = []
+    for spec in specs:
+        def note(pt: object, name: str = spec.name) -> None:
+            print(f"{name}: rate x{pt.scale:.3g} ({pt.arrival_rate:.3f}/s) p90 TTFT {pt.ttft_p90:.2f} s",  # type: ignore[attr-defined]
+                  file=sys.stderr)
+        sweeps.append(sim.sweep(workload, spec, fleet, slo=args.slo, start=args.sweep_start,
+                                progress=note if args.progress or sys.stderr.isatty() else None))
+    title = f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge}"  # type: ignore[attr-defined]
+    if args.plot:
+        base = [sw.at(args.sweep_start).result for sw in sweeps]  # type: ignore[union-attr]
+        report.plot(base, args.plot, title, sweeps=sweeps)
+    if args.json:
+        print(json.dumps({"workload": workload.description, "slo": args.slo,  # type: ignore[attr-defined]
+                          "sweeps": [sw.as_dict() for sw in sweeps]}, indent=2))
+    else:
+        print(f"{title}; goodput = highest arrival rate with p90 TTFT <= {args.slo:g} s")
+        print(report.sweep_table(sweeps))
+        if args.plot:
+            print(f"p90 TTFT vs arrival rate and per-replica prefill seconds: {args.plot}")
+    return 0
+
+
+def _cmd_emulate(args: argparse.Namespace) -> int:
+    from .emulate import cli as emulate_cli
+
+    return emulate_cli.run(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cli as bench_cli
+
+    return bench_cli.run(args)
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from .diagnose import report
+    from .diagnose.stream import read_jsonl
+
+    if not os.path.exists(args.trace):
+        raise ValueError(f"trace file {args.trace!r} does not exist")
+    trace = read_jsonl(args.trace, args.format, block_size=args.block_size, limit=args.limit)
+    decode = None
+    if args.format == "tokens":
+        from .tokenize import load_tokenizer
+
+        decode = load_tokenizer(args.tokenizer).decode
+    params = report.DiagnoseParams(replicas=args.replicas, cache_tokens=args.cache_tokens, router=args.router,
+                                   simulate=not args.no_simulate, decode=decode)
+    say = (lambda msg: print(f"kvroute diagnose: {msg}...", file=sys.stderr)) if sys.stderr.isatty() else None
+    result = report.diagnose(trace, params, progress=say)
+    if args.plot:
+        report.plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(report.render_text(result))
+        if args.plot:
+            print(f"miss-ratio curve: {args.plot}")
     return 0
 
 
@@ -99,14 +207,72 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--event-delay", type=float, default=0.0, help="seconds before the router sees a cache change")
     p_sim.add_argument("--cache-tokens", type=int, default=None,
                        help="KV cache per replica in tokens (default: per workload, kvroute.sim.CACHE_TOKENS)")
-    p_sim.add_argument("--prefill-rate", type=float, default=None, help="prefill tokens per second per replica")
+    p_sim.add_argument("--prefill-rate", type=float, default=None,
+                       help="prefill tokens per second per replica (the engine's 1 / per_token_s; default 10,000)")
     p_sim.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times by this")
     p_sim.add_argument("--rate", type=float, default=None, help="shared-prefix: requests per second (default: all at t=0)")
+    p_sim.add_argument("--sweep", action="store_true",
+                       help="find each router's goodput: the highest arrival rate with p90 TTFT within --slo "
+                            "(kvroute.sim.sweep: a doubling ladder from --sweep-start, then 3 bisections)")
+    p_sim.add_argument("--slo", type=float, default=2.0, help="p90 TTFT SLO in seconds for --sweep (default 2)")
+    p_sim.add_argument("--sweep-start", type=float, default=1.0,
+                       help="arrival-rate factor the sweep starts from (default 1: the workload as is)")
     p_sim.add_argument("--json", action="store_true", help="print the results as JSON")
-    p_sim.add_argument("--plot", metavar="FILE.png", help="draw per-replica prefill seconds per router")
+    p_sim.add_argument("--plot", metavar="FILE.png",
+                       help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    p_sim.add_argument("--no-ideal", action="store_true",
+                       help="skip the ideal fleet (one shared cache, one central queue) and the fractions of it")
+    p_sim.add_argument("--scenario", default=None, metavar="KIND@T[+N]",
+                       help="deploy@300 (every replica restarts at 300 s) or scale-out@300+2 (2 replicas join): "
+                            "hit-rate recovery per router")
+    p_sim.add_argument("--slow-start", type=float, default=0.0, metavar="S",
+                       help="with --scenario scale-out: new replicas ramp in over S seconds (default 0: at once)")
     p_sim.set_defaults(func=_cmd_simulate)
+    p_emu = sub.add_parser("emulate", help="run emulated vLLM engines on the engine model (kvroute.emulate)")
+    _emulate_args(p_emu)
+    p_emu.set_defaults(func=_cmd_emulate)
+    p_bench = sub.add_parser("bench", help="replay a workload against OpenAI-compatible servers (kvroute.bench)")
+    _bench_args(p_bench)
+    p_bench.set_defaults(func=_cmd_bench)
+    p_serve = sub.add_parser("serve", help="an OpenAI-compatible gateway that routes with kvroute (kvroute[gateway])")
+    from .gateway.config import add_arguments
+
+    add_arguments(p_serve)
+    p_serve.set_defaults(func=_cmd_serve)
+    p_diag = sub.add_parser("diagnose", help="why a trace's prefix-cache hit rate is what it is (kvroute.diagnose)")
+    p_diag.add_argument("trace", help="a Mooncake JSONL trace, or a JSONL of token-id prompts (--format tokens)")
+    p_diag.add_argument("--format", default="mooncake", choices=("mooncake", "tokens"))
+    p_diag.add_argument("--block-size", type=int, default=None,
+                        help="tokens per block (default: 512 for mooncake, 16 for tokens)")
+    p_diag.add_argument("--replicas", type=int, default=8)
+    p_diag.add_argument("--cache-tokens", type=int, default=None, help="KV cache per replica in tokens")
+    p_diag.add_argument("--router", default="ttft", help="the router whose placements split the cache (default ttft)")
+    p_diag.add_argument("--tokenizer", default=None, help="tokenizer folder for the volatile-prefix text (default: bytes)")
+    p_diag.add_argument("--limit", type=int, default=None, help="read only the first N requests")
+    p_diag.add_argument("--no-simulate", action="store_true", help="skip the simulated replay (TTFT, ideal, split)")
+    p_diag.add_argument("--plot", metavar="FILE.png", help="draw the miss-ratio curves")
+    p_diag.add_argument("--json", action="store_true", help="print every number as JSON")
+    p_diag.set_defaults(func=_cmd_diagnose)
     return parser
+
+
+def _emulate_args(p: argparse.ArgumentParser) -> None:
+    from .emulate.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from .bench.cli import add_arguments
+
+    add_arguments(p)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .gateway.server import main as serve_main
+
+    return serve_main(args)
 
 
 def _default_routers() -> tuple[str, ...]:

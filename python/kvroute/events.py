@@ -11,10 +11,12 @@ Three parts (wire formats: docs kv-events.md):
   PrefixIndex; the reference one the reference PrefixIndex; `kvroute.events.EventApplier`
   is the backend's (KVROUTE_IMPLEMENTATION). Semantics: kvroute.reference.events.
 - `Subscriber(applier, sources)`: a background thread with one ZMQ SUB socket per engine
-  publisher (connect, or bind where the engine connects), sequence tracking per publisher,
-  replay over DEALER on a gap, resync (clear the replica) when replay is absent or cannot
-  cover the gap, and reset on a publisher restart (sequence back to 0). pyzmq is imported
-  only when a Subscriber starts (the `kvroute[events]` extra).
+  publisher (connect, or bind where the engine connects) that follows each publisher's
+  sequence numbers (rules in kvroute._follow): streamed replays over DEALER on a gap,
+  applied as they arrive and asked again after a hole; resync (clear the replica) only
+  when history is lost; restarts noticed when numbers go back or a replayed batch differs;
+  tail probes of silent publishers; bounded buffers. pyzmq is imported only when a
+  Subscriber starts (the `kvroute[events]` extra).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._backend import backend as _backend
+from ._follow import Follower
 from .reference.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -60,40 +63,132 @@ class Source:
     bind: bool = False
 
 
-@dataclasses.dataclass
+_BURST = 64  # messages taken from one socket before the others get a turn
+_MIB = 1 << 20
+
+
+def _reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay reply, (-1, b"") for the end marker, None if unreadable.
+
+    Layouts (kv-events.md A1, D): [seq, payload] and [topic, seq, payload], each possibly
+    after the empty delimiter; end marker END_SEQ or an empty payload."""
+    if not 2 <= len(frames) <= 4 or len(frames[-2]) != 8:
+        return None
+    seq_b, payload = frames[-2], frames[-1]
+    if seq_b == END_SEQ or not payload:
+        return -1, b""
+    return int.from_bytes(seq_b, "big"), payload
+
+
 class _Track:
-    source: Source
-    last_seq: int = -1
-    last_ts: float | None = None
-    batches: int = 0
-    malformed: int = 0
-    gaps: int = 0
-    replays: int = 0
-    replayed_batches: int = 0
-    resyncs: int = 0
-    restarts: int = 0
-    duplicates: int = 0
-    bad_frames: int = 0
-    errors: int = 0
-    last_exception: str | None = None
+    """One publisher: its Follower, the replay socket it has open, and the applier's side."""
+
+    def __init__(self, sub: Subscriber, source: Source, now: float) -> None:
+        self.sub = sub
+        self.source = source
+        self.follower = Follower(
+            self, replay=source.replay_endpoint is not None, max_attempts=sub._attempts,
+            max_buffer_bytes=sub._max_buffer, replay_timeout=sub._replay_timeout,
+            replay_max_seconds=sub._replay_max_seconds, probe_interval=sub._probe_interval,
+            now=now)
+        self.dealer: Any = None
+        self.connects = 0
+        self.last_ts: float | None = None
+        self.malformed = 0
+        self.bad_frames = 0
+        self.errors = 0
+        self.last_exception: str | None = None
+
+    # Ops, called by the Follower from the subscriber's thread.
+
+    def deliver(self, seq: int, payload: bytes) -> None:
+        applier = self.sub._applier
+        try:
+            if applier.apply(self.source.replica, payload):
+                ts = applier.replica_stats(self.source.replica)["last_ts"]
+                if ts is not None:
+                    self.last_ts = ts
+            else:
+                self.malformed += 1
+        except Exception as exc:  # noqa: BLE001 - e.g. the replica id was removed
+            # One bad delivery must not end the thread that follows every engine.
+            self._error(exc)
+
+    def clear(self) -> None:
+        try:
+            self.sub._applier.clear_replica(self.source.replica)
+        except Exception as exc:  # noqa: BLE001
+            self._error(exc)
+
+    def request(self, start: int) -> None:
+        import zmq
+
+        self.cancel()
+        # A fresh DEALER per request, so late replies to an abandoned request cannot mix in.
+        d = self.sub._ctx.socket(zmq.DEALER)
+        d.setsockopt(zmq.LINGER, 0)
+        d.connect(self.source.replay_endpoint)
+        self.dealer = d
+        try:
+            d.send_multipart([b"", start.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connectable now: the round times out and is counted
+        self.sub._open(d, self)
+
+    def cancel(self) -> None:
+        if self.dealer is not None:
+            self.sub._close(self.dealer)
+            self.dealer = None
+
+    def _error(self, exc: BaseException) -> None:
+        self.errors += 1
+        self.last_exception = f"{type(exc).__name__}: {exc}"
+
+    def status(self, now: float) -> dict[str, Any]:
+        out = self.follower.snapshot()
+        out.update(endpoint=self.source.endpoint, malformed=self.malformed,
+                   bad_frames=self.bad_frames, errors=self.errors,
+                   last_exception=self.last_exception,
+                   lag=None if self.last_ts is None else now - self.last_ts)
+        return out
+
+
+def _skipped(applier: Any, replica: int) -> dict[str, int] | None:
+    """Events the applier skipped on this replica, by kind, when it reports them."""
+    try:
+        rs = applier.replica_stats(replica)
+    except Exception:  # noqa: BLE001 - a removed replica id
+        return None
+    if isinstance(rs.get("skipped"), dict):
+        return dict(rs["skipped"])
+    found = {k[len("skipped_"):]: v for k, v in rs.items() if k.startswith("skipped_")}
+    return found or None
 
 
 class Subscriber:
     """Feeds engine KV event streams into an EventApplier from a background thread.
 
-    Subscriber(applier, sources, *, replay_timeout=1.0, poll_interval=0.05). Use start() and
-    stop(), or `with Subscriber(...) as sub:`. Per publisher it expects sequence numbers
-    last+1; on a jump it requests the missing ones from the replay endpoint (DEALER; reply
-    layouts [seq, payload] and [topic, seq, payload], with or without the empty delimiter,
-    end marker END_SEQ or an empty payload). When there is no replay endpoint, the replay
-    times out, or its first batch is later than the one missing, it clears the replica
-    (applier.clear_replica) and counts a resync, then goes on from what it has. A sequence
-    number back to 0 means the engine restarted: the replica is cleared and followed anew.
-    Older numbers are duplicates and dropped. The first batch seen from a publisher at
-    sequence k > 0 is a gap from 0. Malformed frames or payloads are counted and skipped.
-    After a resync the replica knows only blocks stored since: a later store whose parent
-    came before the gap has an unknown parent, so its batch is skipped (counted malformed)
-    until the engine's chains restart from the root or it clears its cache.
+    Subscriber(applier, sources, *, replay_timeout=1.0, replay_max_seconds=30.0,
+    replay_attempts=3, probe_interval=1.0, max_buffer_bytes=64 MiB, poll_interval=0.05).
+    Use start() and stop(), or `with Subscriber(...) as sub:`. One thread follows every
+    publisher; nothing in it blocks on one publisher: replays (DEALER, both reply layouts)
+    are read as they stream, between the other sockets' messages.
+
+    Per publisher the rules of kvroute._follow apply: batches in order are applied; a gap
+    asks a replay from the last applied number, applies every contiguous run as it arrives
+    and asks again from the first missing number after a hole; the replica is cleared (a
+    resync) only when the publisher's ring no longer holds that number, when there is no
+    replay endpoint, or after `replay_attempts` rounds in a row that applied nothing. A
+    round ends at its end marker, after `replay_timeout` seconds without a reply, or after
+    `replay_max_seconds`. A live number that goes back, or a replayed anchor whose bytes
+    differ, means the publisher restarted: the replica is cleared and the new process
+    followed from 0 (replayed where its ring has it). Each new PUB connection (a socket
+    monitor reports them) is verified by such a replay before any of its batches is
+    applied, or, where it cannot be, starts the replica over. A publisher silent for
+    `probe_interval` seconds (None: never) with a replay endpoint is probed for anything
+    after its last number (tail loss). Batches held while waiting (live messages during a
+    replay, replies beyond a hole) are capped at `max_buffer_bytes` per publisher, highest
+    numbers dropped first. Malformed frames or payloads are counted and skipped.
     """
 
     def __init__(
@@ -102,6 +197,10 @@ class Subscriber:
         sources: Iterable[Source],
         *,
         replay_timeout: float = 1.0,
+        replay_max_seconds: float = 30.0,
+        replay_attempts: int = 3,
+        probe_interval: float | None = 1.0,
+        max_buffer_bytes: int = 64 * _MIB,
         poll_interval: float = 0.05,
     ) -> None:
         srcs = list(sources)
@@ -112,18 +211,34 @@ class Subscriber:
             if s.replica in seen:
                 raise ValueError(f"replica {s.replica} has more than one source")
             seen.add(s.replica)
-        if not replay_timeout > 0 or not poll_interval > 0:
-            raise ValueError("replay_timeout and poll_interval must be positive")
+        for name, v in (("replay_timeout", replay_timeout), ("replay_max_seconds", replay_max_seconds),
+                        ("poll_interval", poll_interval), ("probe_interval", probe_interval)):
+            if v is None and name == "probe_interval":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        for name, v in (("replay_attempts", replay_attempts), ("max_buffer_bytes", max_buffer_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
         self._applier = applier
-        self._tracks = {s.replica: _Track(s) for s in srcs}
+        self._sources = srcs
         self._replay_timeout = float(replay_timeout)
+        self._replay_max_seconds = float(replay_max_seconds)
+        self._attempts = replay_attempts
+        self._probe_interval = None if probe_interval is None else float(probe_interval)
+        self._max_buffer = max_buffer_bytes
         self._poll_ms = max(1, int(poll_interval * 1000))
+        now = time.monotonic()
+        self._tracks = {s.replica: _Track(self, s, now) for s in srcs}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._endpoints: dict[int, str] = {}
+        self._ctx: Any = None
+        self._poller: Any = None
+        self._socks: dict[Any, tuple[str, _Track]] = {}  # socket -> (kind, track)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -173,40 +288,39 @@ class Subscriber:
     # -- observation ----------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        """Counters: per replica (batches, malformed, gaps, replays, replayed_batches,
-        resyncs, restarts, duplicates, bad_frames, errors and last_exception (exceptions
-        raised while applying, e.g. for a removed replica id), last_seq, lag = now - engine
-        ts of the last batch, in seconds, or None) and the applier's totals under "applier"."""
+        """Counters per replica and totals.
+
+        Per replica: last_seq (last applied, -1 before any), lag (now - engine ts of the
+        last applied batch, seconds, or None), batches, replayed_batches, gaps, replays
+        (rounds asked for gaps), partial_replays (rounds that ended with numbers still
+        missing and were asked again), replay_timeouts, probes, probe_recoveries (probes
+        that found lost batches), restarts, resyncs (the replica cleared because history
+        was lost), duplicates, buffer_drops, buffered_bytes / buffered_batches (held now),
+        peak_buffered_bytes (the most ever held),
+        replaying, reconnects (new PUB connections after the first; each is probed),
+        malformed, bad_frames, errors and last_exception (exceptions raised
+        while applying, e.g. for a removed replica id), skipped (events the applier skipped
+        on it, by kind, where the applier reports them; else None), endpoint. Totals of the
+        main counters at the top level, the applier's stats() under "applier"."""
         now = time.time()
         with self._cond:
-            replicas: dict[int, dict[str, Any]] = {}
-            for r, t in self._tracks.items():
-                replicas[r] = {
-                    "endpoint": t.source.endpoint,
-                    "last_seq": t.last_seq,
-                    "batches": t.batches,
-                    "malformed": t.malformed,
-                    "gaps": t.gaps,
-                    "replays": t.replays,
-                    "replayed_batches": t.replayed_batches,
-                    "resyncs": t.resyncs,
-                    "restarts": t.restarts,
-                    "duplicates": t.duplicates,
-                    "bad_frames": t.bad_frames,
-                    "errors": t.errors,
-                    "last_exception": t.last_exception,
-                    "lag": None if t.last_ts is None else now - t.last_ts,
-                }
-            totals = {k: sum(v[k] for v in replicas.values()) for k in (
-                "batches", "malformed", "gaps", "replays", "resyncs", "restarts")}
-        return {"replicas": replicas, **totals, "applier": self._applier.stats(), "running": self.running}
+            replicas = {r: t.status(now) for r, t in self._tracks.items()}
+        for r, st in replicas.items():
+            st["skipped"] = _skipped(self._applier, r)
+        totals = {k: sum(v[k] for v in replicas.values()) for k in (
+            "batches", "malformed", "gaps", "replays", "partial_replays", "resyncs", "restarts",
+            "buffered_bytes")}
+        return {"replicas": replicas, **totals, "applier": self._applier.stats(),
+                "running": self.running}
 
-    def wait_for_seq(self, replica: int, seq: int, timeout: float | None = None) -> bool:
-        """Block until the replica's publisher has been followed up to `seq`; False on timeout."""
+    def wait_for_seq(self, replica: int, seq: int, timeout: float | None = None, *,
+                     settled: bool = False) -> bool:
+        """Block until the replica's publisher has been followed up to `seq` (and, with
+        settled=True, no replay is in flight and nothing is held); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            track = self._tracks[replica]
-            while track.last_seq < seq:
+            f = self._tracks[replica].follower
+            while f.last_seq < seq or (settled and (f.replaying or f.buffered_bytes)):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -215,152 +329,128 @@ class Subscriber:
 
     # -- the thread -----------------------------------------------------------------------
 
+    def _open(self, sock: Any, track: _Track) -> None:
+        import zmq
+
+        self._socks[sock] = ("replay", track)
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _close(self, sock: Any) -> None:
+        if self._socks.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+        sock.close(0)
+
+    def _bind_all(self, zmq: Any) -> None:
+        for t in self._tracks.values():
+            s = self._ctx.socket(zmq.SUB)
+            self._socks[s] = ("live", t)  # registered first so that `finally` closes it if bind fails
+            s.setsockopt(zmq.LINGER, 0)
+            # Connections made (engine PUB bound) or accepted (engine connects): after the
+            # first, each one may be a restarted engine.
+            mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+            self._socks[mon] = ("monitor", t)
+            s.setsockopt(zmq.SUBSCRIBE, t.source.topic.encode("utf-8"))
+            if t.source.bind:
+                s.bind(t.source.endpoint)
+                where = s.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                s.connect(t.source.endpoint)
+                where = t.source.endpoint
+            with self._cond:
+                self._endpoints[t.source.replica] = where
+
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context()
-        socks: dict[Any, _Track] = {}
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
         try:
             try:
-                for t in self._tracks.values():
-                    s = ctx.socket(zmq.SUB)
-                    socks[s] = t  # registered first so that `finally` closes it if bind fails
-                    s.setsockopt(zmq.LINGER, 0)
-                    s.setsockopt(zmq.SUBSCRIBE, t.source.topic.encode("utf-8"))
-                    if t.source.bind:
-                        s.bind(t.source.endpoint)
-                        where = s.getsockopt_string(zmq.LAST_ENDPOINT)
-                    else:
-                        s.connect(t.source.endpoint)
-                        where = t.source.endpoint
-                    with self._cond:
-                        self._endpoints[t.source.replica] = where
+                self._bind_all(zmq)
             except Exception as exc:  # noqa: BLE001 - reported by start()
                 self._error = exc
                 return
             finally:
                 self._ready.set()
-            poller = zmq.Poller()
-            for s in socks:
-                poller.register(s, zmq.POLLIN)
+            for s in self._socks:
+                self._poller.register(s, zmq.POLLIN)
             while not self._stop.is_set():
-                for s, _ in poller.poll(self._poll_ms):
-                    # Drain without blocking so that one busy publisher cannot starve the stop flag.
-                    for _ in range(1024):
-                        try:
-                            frames = s.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        t = socks[s]
-                        try:
-                            self._on_message(ctx, t, frames)
-                        except Exception as exc:  # noqa: BLE001 - e.g. the replica id was removed
-                            # One bad delivery must not end the thread that follows every engine.
-                            with self._cond:
-                                t.errors += 1
-                                t.last_exception = f"{type(exc).__name__}: {exc}"
+                ready = [s for s, _ in self._poller.poll(self._wait_ms())]
+                # Connection news first: it precedes every message on the new connection.
+                ready.sort(key=lambda s: self._socks.get(s, ("",))[0] != "monitor")
+                for s in ready:
+                    self._serve(s, zmq)
+                now = time.monotonic()
+                with self._cond:
+                    for t in self._tracks.values():
+                        self._guard(t, t.follower.tick, now)
+                    self._cond.notify_all()
         finally:
-            for s in socks:
+            for t in self._tracks.values():
+                t.dealer = None  # closed below; a later start() opens fresh ones
+            for s, (kind, _) in list(self._socks.items()):
+                if kind == "live":
+                    s.disable_monitor()
+            for s in list(self._socks):
                 s.close(0)
-            ctx.term()
+            self._socks.clear()
+            self._ctx.term()
 
-    def _on_message(self, ctx: Any, t: _Track, frames: list[bytes]) -> None:
+    def _wait_ms(self) -> int:
+        now = time.monotonic()
+        with self._cond:
+            due = [d for t in self._tracks.values() if (d := t.follower.next_deadline()) is not None]
+        if not due:
+            return self._poll_ms
+        return max(0, min(self._poll_ms, int((min(due) - now) * 1000) + 1))
+
+    def _serve(self, sock: Any, zmq: Any) -> None:
+        """Take up to _BURST messages from one socket (then the others get their turn)."""
+        for _ in range(_BURST):
+            entry = self._socks.get(sock)
+            if entry is None:
+                return  # a replay closed while its replies were being read
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind, t = entry
+            with self._cond:
+                if kind == "replay":
+                    self._on_reply(t, frames)
+                elif kind == "live":
+                    self._on_live(t, frames)
+                else:
+                    self._on_monitor(t, frames)
+                self._cond.notify_all()
+
+    def _on_live(self, t: _Track, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
-            with self._cond:
-                t.bad_frames += 1
+            t.bad_frames += 1
             return
-        seq = int.from_bytes(frames[1], "big")
-        payload = frames[2]
-        r = t.source.replica
-        expected = t.last_seq + 1
-        if seq == expected:
-            self._deliver(t, seq, payload)
-            return
-        if seq < expected:
-            if seq == 0:
-                # The engine restarted: what we knew of its cache is gone with it.
-                self._applier.clear_replica(r)
-                with self._cond:
-                    t.restarts += 1
-                    t.last_seq = -1
-                self._deliver(t, seq, payload)
-            else:
-                with self._cond:
-                    t.duplicates += 1
-            return
-        with self._cond:
-            t.gaps += 1
-        covered = False
-        if t.source.replay_endpoint is not None:
-            got = self._replay(ctx, t.source.replay_endpoint, expected)
-            if got and got[0][0] == expected:
-                covered = True
-                with self._cond:
-                    t.replays += 1
-                for s2, p2 in got:
-                    if s2 == t.last_seq + 1:
-                        self._deliver(t, s2, p2, replayed=True)
-                if t.last_seq + 1 < seq:
-                    covered = False  # the replay stopped short of this message
-        if not covered:
-            self._applier.clear_replica(r)
-            with self._cond:
-                t.resyncs += 1
-        if seq > t.last_seq:
-            with self._cond:
-                t.last_seq = seq - 1
-            self._deliver(t, seq, payload)
+        self._guard(t, t.follower.on_live, int.from_bytes(frames[1], "big"), frames[2], time.monotonic())
+
+    def _on_monitor(self, t: _Track, frames: list[bytes]) -> None:
+        t.connects += 1
+        if t.connects > 1:
+            self._guard(t, lambda now: t.follower.on_reconnect(now, exclusive=not t.source.bind),
+                        time.monotonic())
+
+    def _on_reply(self, t: _Track, frames: list[bytes]) -> None:
+        got = _reply(frames)
+        if got is None:
+            t.bad_frames += 1
+        elif got[0] < 0:
+            self._guard(t, t.follower.on_end, time.monotonic())
         else:
-            with self._cond:
-                t.duplicates += 1
-
-    def _deliver(self, t: _Track, seq: int, payload: bytes, replayed: bool = False) -> None:
-        ok = self._applier.apply(t.source.replica, payload)
-        ts = None
-        if ok:
-            ts = self._applier.replica_stats(t.source.replica)["last_ts"]
-        with self._cond:
-            t.last_seq = seq
-            t.batches += 1
-            if replayed:
-                t.replayed_batches += 1
-            if not ok:
-                t.malformed += 1
-            elif ts is not None:
-                t.last_ts = ts
-            self._cond.notify_all()
-
-    def _replay(self, ctx: Any, endpoint: str, start: int) -> list[tuple[int, bytes]]:
-        """Batches from `start` on, as the replay endpoint returns them (possibly none)."""
-        import zmq
-
-        # A fresh DEALER per request, so late replies to an abandoned request cannot mix in.
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, bytes]] = []
-        try:
-            d.connect(endpoint)
-            d.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + self._replay_timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not d.poll(int(left * 1000) + 1):
-                    return out if out and self._contiguous(out) else []
-                frames = d.recv_multipart()
-                # Layouts: [seq, payload], [topic, seq, payload], each maybe after b"".
-                if len(frames) < 2 or len(frames[-2]) != 8:
-                    continue
-                seq_b, payload = frames[-2], frames[-1]
-                if seq_b == END_SEQ or not payload:
-                    return out if self._contiguous(out) else []
-                out.append((int.from_bytes(seq_b, "big"), payload))
-                deadline = time.monotonic() + self._replay_timeout
-        finally:
-            d.close(0)
+            self._guard(t, t.follower.on_reply, got[0], got[1], time.monotonic())
 
     @staticmethod
-    def _contiguous(got: list[tuple[int, bytes]]) -> bool:
-        return all(got[i + 1][0] == got[i][0] + 1 for i in range(len(got) - 1))
+    def _guard(t: _Track, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one publisher's trouble must not end the thread
+            t._error(exc)
 
 
 __all__ = [

@@ -9,8 +9,10 @@
 
 namespace kvroute::msgpack {
 
-/// Deepest nesting validate() accepts (msgspec's limit is Python's recursion limit).
-inline constexpr int kMaxDepth = 512;
+/// Most containers validate() lets nest (a container inside kMaxDepth others is refused); the
+/// reference enforces the same limit (python/kvroute/reference/events.py MAX_DEPTH). An event
+/// batch needs 6 (batch, events, event, extra_keys, one block's keys, a (id, offset) pair).
+inline constexpr int kMaxDepth = 32;
 
 /// The msgpack types, as error messages name them.
 enum class Type : std::uint8_t { Nil, Bool, Int, Float, Str, Bin, Array, Map, Ext };

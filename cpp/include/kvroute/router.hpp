@@ -5,38 +5,25 @@
 #include <cstddef>
 #include <cstdint>
 #include <algorithm>
-#include <list>
+#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "kvroute/hash.hpp"
+#include "kvroute/policy.hpp"
 #include "kvroute/prefix_index.hpp"
 
 namespace kvroute {
 
-/// Routing rule (kvroute/config.py documents each).
-enum class Policy {
-    RoundRobin,
-    Random,
-    LeastLoaded,
-    PowerOfTwo,
-    Sticky,
-    Linear,
-    SGLang,
-    Dynamo,
-    LLMD,
-    Preble,
-    TTFT,
-};
-
 /// Where the index's contents come from.
 enum class IndexMode { Approximate, Precise, Hybrid };
 
-/// Settings of a Router; the binding fills them from a validated kvroute.RouterConfig.
+/// Settings of a Router; the binding fills them from kvroute.config.validated(config), and
+/// the Router checks them again (ValueError), whatever filled them.
 struct RouterOptions {
     Policy policy = Policy::TTFT;                 ///< routing rule
     IndexMode mode = IndexMode::Approximate;      ///< who feeds the index
@@ -47,24 +34,20 @@ struct RouterOptions {
     double speculative_ttl = 2.0;                 ///< hybrid: seconds of a route-time insertion
     double session_ttl = 600.0;                   ///< sliding session lifetime, seconds
     std::size_t max_sessions = 100000;            ///< session table size before LRU eviction
+    std::size_t max_session_bytes = 16777216;     ///< bytes of session ids held before LRU eviction
+    double request_ttl = 3600.0;                  ///< seconds before an unfinished request expires
     std::uint64_t seed = 0;                       ///< splitmix64 seed
     double prefill_rate = 10000.0;                ///< tokens per second (ttft)
     double session_saturation = 2.0;              ///< generic session saturation factor
-    std::uint32_t vnodes = 64;                    ///< sticky: virtual nodes per replica
-    std::optional<double> bound;                  ///< sticky: bounded-load factor c
-    double w_affinity = 1.0;                      ///< linear
-    double w_load = 1.0;                          ///< linear
-    std::int64_t min_match_tokens = 64;           ///< linear
-    double escape_factor = 1.5;                   ///< linear
-    double cache_threshold = 0.3;                 ///< sglang
-    std::int64_t balance_abs_threshold = 64;      ///< sglang
-    double balance_rel_threshold = 1.5;           ///< sglang
-    double prefill_load_scale = 1.0;              ///< dynamo
-    double temperature = 0.0;                     ///< dynamo
-    double w_prefix = 3.0;                        ///< llmd
-    double w_queue = 2.0;                         ///< llmd
-    double w_kv = 2.0;                            ///< llmd
-    double decode_weight = 32.0;                  ///< preble
+    /// The policy's parameters by name (RouterConfig.params; a None value is left out).
+    std::map<std::string, double, std::less<>> params;
+
+    /// params[key]; ValueError naming the key if it is missing.
+    double param(std::string_view key) const;
+    /// params[key], or `fallback` if the policy has no such parameter.
+    double param_or(std::string_view key, double fallback) const;
+    /// ValueError naming the first field out of range (a crash or UB guard in the core).
+    void check() const;
 };
 
 /// Where one request goes and why.
@@ -97,32 +80,52 @@ struct ReplicaLoad {
 /// Router-wide counters.
 struct RouterStats {
     std::int64_t routed = 0;               ///< decisions made
-    std::int64_t prompt_tokens = 0;        ///< tokens routed
-    std::int64_t cached_tokens = 0;        ///< tokens expected cached
+    std::int64_t prompt_tokens = 0;        ///< tokens routed (saturates at 2**63 - 1)
+    std::int64_t cached_tokens = 0;        ///< tokens expected cached (saturates likewise)
     std::int64_t rebinds = 0;              ///< sessions moved
     std::int64_t stranded_blocks = 0;      ///< blocks left behind by rebinds
     std::int64_t session_expirations = 0;  ///< sessions dropped by TTL
-    std::int64_t session_evictions = 0;    ///< sessions dropped by LRU
+    std::int64_t session_evictions = 0;    ///< sessions dropped by LRU (count or bytes)
+    std::int64_t request_expirations = 0;  ///< requests released by request_ttl, never finished
     std::int64_t sessions = 0;             ///< sessions in the table
+    std::int64_t session_bytes = 0;        ///< bytes of the session ids in the table
     std::int64_t in_flight = 0;            ///< requests not finished (released ones included)
     std::int64_t replicas = 0;             ///< live replicas
 };
 
+/// Per-request cache keys of the hash contract (C1, README "Block hashing"): a request's KV
+/// is reusable only under the same LoRA adapter, cache salt and multimodal inputs.
+struct CacheKeys {
+    std::string_view lora;        ///< UTF-8 adapter name; empty: none
+    std::string_view cache_salt;  ///< UTF-8 cache salt; empty: none
+    const MmKey* mm = nullptr;    ///< multimodal items, sorted by offset (stable)
+    std::size_t mm_count = 0;     ///< how many
+};
+
+/// Largest num_tokens a request may claim: keeps every load sum far from int64 overflow.
+inline constexpr std::int64_t kMaxPromptTokens = (std::int64_t{1} << 32) - 1;
+
 /// Affinity-versus-load router; every public method is safe from several threads.
 class Router {
 public:
-    /// A router with no replicas.
+    /// A router with no replicas; ValueError if the options are out of range.
     explicit Router(RouterOptions options);
+    ~Router();
+    Router(const Router&) = delete;
+    Router& operator=(const Router&) = delete;
 
     /// The index routing reads (approximate mode also writes it); events feed it.
-    std::shared_ptr<PrefixIndex> index() const noexcept { return index_; }
+    std::shared_ptr<PrefixIndex> index() const noexcept;
     /// Hybrid mode's speculative index, else null.
-    std::shared_ptr<PrefixIndex> speculative_index() const noexcept { return spec_; }
+    std::shared_ptr<PrefixIndex> speculative_index() const noexcept;
     /// The options it was built with.
-    const RouterOptions& options() const noexcept { return opt_; }
+    const RouterOptions& options() const noexcept;
 
-    /// Adds a healthy replica; ValueError if the name is empty or taken. Returns its id.
-    std::uint32_t add_replica(const std::string& name);
+    /// Adds a healthy replica whose engine caches whole blocks of engine_block_size tokens
+    /// (a multiple of block_size, or smaller: then any router block is whole); ValueError if
+    /// the name is empty or taken, or the size is neither. Returns its id.
+    std::uint32_t add_replica(const std::string& name,
+                              std::optional<std::int64_t> engine_block_size = std::nullopt);
     /// Removes a replica, its index blocks and the accounting of its in-flight requests.
     void remove_replica(const std::string& name);
     /// Marks a replica draining (never chosen) or not.
@@ -133,11 +136,15 @@ public:
     std::vector<std::string> replicas() const;
     /// Id of a replica; KeyError if unknown.
     std::uint32_t replica_id(const std::string& name) const;
+    /// Router blocks per engine block of a replica, as the index holds it (set by add_replica
+    /// or learned from events; 1: any router block is whole).
+    std::int64_t engine_block(const std::string& name) const;
 
-    /// Routes a prompt of tokens (hashed here with block_size and salt).
-    Decision route_tokens(const std::uint32_t* tokens, std::size_t n,
+    /// Routes a prompt of tokens hashed with block_size, the salt and the request's keys.
+    Decision route_tokens(const std::uint32_t* tokens, std::size_t n, const CacheKeys& keys,
                           const std::optional<std::string>& session, std::optional<double> now);
-    /// Routes a prompt given as n block hashes covering num_tokens tokens.
+    /// Routes a prompt given as n block hashes covering num_tokens tokens (ValueError above
+    /// kMaxPromptTokens).
     Decision route_hashes(const std::uint64_t* hashes, std::size_t n, std::int64_t num_tokens,
                           const std::optional<std::string>& session, std::optional<double> now);
     /// The request produced its first token.
@@ -154,87 +161,8 @@ public:
     RouterStats stats() const;
 
 private:
-    struct Request {
-        std::int64_t replica;  // -1 once its replica was removed
-        std::int64_t uncached;
-        std::int64_t blocks;
-        std::int64_t uncached_blocks;
-        bool prefilled;
-        std::vector<std::uint64_t> hashes;  // ttft, before its first token: its prompt's blocks
-    };
-    // ttft: a request before its first token, on the list of its replica.
-    struct Pending {
-        std::int64_t handle;
-        const std::uint64_t* hashes;  // its Request's hashes (stable: map nodes do not move)
-        std::size_t len;
-    };
-    struct Session {
-        std::string key;
-        std::uint32_t replica;
-        std::uint64_t gen;
-        std::int64_t blocks;
-        double last_seen;
-    };
-    using SessionList = std::list<Session>;
-
-    Decision route_locked(const std::uint64_t* hashes, std::size_t n, std::int64_t num_tokens,
-                          const std::optional<std::string>& session, double now);
-    std::uint32_t lookup(const std::string& name) const;
-    Request& request(std::int64_t handle);
-    void rebuild_ring();
-    void reset_slot(std::uint32_t r);
-    void release_pending(std::int64_t handle, Request& req);
-
-    // Policy evaluation over the candidate list (rotated); returns (replica, reason).
-    std::pair<std::uint32_t, const char*> choose(const std::vector<std::uint32_t>& cands,
-                                                 std::uint64_t& rng, std::size_t n,
-                                                 std::int64_t num_tokens,
-                                                 const std::optional<std::string>& session,
-                                                 const std::uint64_t* hashes);
-    bool saturated(std::uint32_t b, const std::vector<std::uint32_t>& eligible) const;
-    std::int64_t capacity(const std::vector<std::uint32_t>& cands) const;
-    std::int64_t mtok(std::uint32_t r, std::int64_t num_tokens) const {
-        return std::min(static_cast<std::int64_t>(match_[r]) * bs_, num_tokens);
-    }
-    bool eligible(std::uint32_t r) const {
-        return live_[r] && loads_[r].healthy && !loads_[r].draining;
-    }
-    const char* generic_reason(const std::vector<std::uint32_t>& order, std::uint32_t chosen) const;
-
-    const RouterOptions opt_;
-    const std::int64_t bs_;
-    std::uint64_t root_ = 0;
-    std::shared_ptr<PrefixIndex> index_;
-    std::shared_ptr<PrefixIndex> spec_;
-
-    mutable std::mutex mu_;
-    std::vector<std::string> names_;
-    std::vector<char> live_;
-    std::unordered_map<std::string, std::uint32_t> ids_;
-    std::vector<std::uint64_t> gen_;
-    std::vector<ReplicaLoad> loads_;  // in_flight and queued_prefill_tokens live in the two below
-    std::vector<std::int64_t> inflight_;  // hot in every decision: kept contiguous
-    std::vector<std::int64_t> queued_;
-    bool eligible_dirty_ = true;  // eligible_ is rebuilt only after a membership/flag change
-    std::unordered_map<std::int64_t, Request> requests_;
-    std::vector<std::vector<Pending>> pending_;  // per replica, ttft only
-    std::size_t pending_count_ = 0;              // entries in pending_: 0 skips the scan
-    std::int64_t next_handle_ = 1;
-    std::uint64_t rot_ = 0;
-    std::uint64_t rng_;
-    SessionList lru_;  // front: least recently used
-    std::unordered_map<std::string, SessionList::iterator> sessions_;
-    std::vector<std::pair<std::uint64_t, std::uint32_t>> ring_;
-    RouterStats stats_;
-
-    // Scratch reused across decisions (guarded by mu_).
-    std::vector<std::int32_t> match_;
-    std::vector<std::int32_t> spec_match_;
-    std::vector<std::uint32_t> eligible_;
-    std::vector<std::uint32_t> order_;
-    std::vector<std::uint32_t> pool_;
-    std::vector<double> scratch_;
-    std::vector<char> allowed_;
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
 };
 
 /// splitmix64 finalizer (bijective 64-bit mix), shared with the reference.

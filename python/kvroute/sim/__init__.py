@@ -5,8 +5,10 @@
     for res in sim.compare(wl, ["round-robin", "sticky", "cache-aware", "ttft"]):
         print(res.router, res.metrics.hit_rate, res.metrics.ttft_p90)
 
-The parts: workloads (chat, shared_prefix, trace), the fleet model (FleetParams,
-simulate), the metrics (Metrics) and the router names (router_spec). `kvroute simulate`
+The parts: workloads (chat, shared_prefix, trace), the engine model of one replica
+(Engine: vLLM V1's scheduler and paged prefix cache, kvroute.sim.engine), the fleet of
+engines (FleetParams, simulate), the metrics (Metrics), goodput under a TTFT SLO (sweep)
+and the router names (router_spec). `kvroute simulate`
 is the command-line front end; scripts/results.py regenerates docs/results.md with it.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from .engine import Engine, EngineConfig, EngineRequest, RequestOutput, StepResult
 from .fleet import KNOWLEDGE, FleetParams, Record, SimResult, make_router, simulate
 from .metrics import Metrics
 from .routers import ALL_ROUTERS, DEFAULT_ROUTERS, RouterSpec, router_spec
+from .sweep import DEFAULT_SLO, SweepPoint, SweepResult, sweep
 from .workloads import (
     ChatParams,
     Client,
@@ -38,6 +42,10 @@ WORKLOADS = ("chat", "shared-prefix", "trace")
 #: tokens (2,048 blocks of 512) hold about 85, and an infinite cache would reach 37.3%.
 CACHE_TOKENS = {"chat": 163_840, "shared-prefix": 163_840, "trace": 1_048_576}
 
+#: Poisson arrival rate (requests/s) of shared-prefix when a sweep needs a rate to scale
+#: (its published setting sends every request at t=0).
+SWEEP_SHARED_PREFIX_RATE = 16.0
+
 
 def fleet_for(workload: str, **overrides: Any) -> FleetParams:
     """FleetParams with the workload's default cache size (CACHE_TOKENS) and overrides."""
@@ -45,6 +53,11 @@ def fleet_for(workload: str, **overrides: Any) -> FleetParams:
         raise ValueError(f"unknown workload {workload!r}; expected one of {', '.join(WORKLOADS)}")
     kwargs: dict[str, Any] = {"cache_tokens": CACHE_TOKENS[workload]}
     kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    rate = kwargs.pop("prefill_rate", None)
+    if rate is not None:  # tokens/s of a full step -> the engine's per-token cost
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
+            raise ValueError(f"prefill_rate must be a number > 0, got {rate!r}")
+        kwargs["per_token_s"] = 1.0 / float(rate)
     return FleetParams(**kwargs)
 
 
@@ -85,9 +98,10 @@ def compare(
 
 
 __all__ = [
-    "ALL_ROUTERS", "CACHE_TOKENS", "DEFAULT_ROUTERS", "KNOWLEDGE", "WORKLOADS",
-    "ChatParams", "Client", "FleetParams", "Metrics", "Record", "RouterSpec", "SharedPrefixParams",
-    "SimResult", "TraceParams", "Turn", "Workload",
+    "ALL_ROUTERS", "CACHE_TOKENS", "DEFAULT_ROUTERS", "DEFAULT_SLO", "KNOWLEDGE", "SWEEP_SHARED_PREFIX_RATE",
+    "WORKLOADS", "ChatParams", "Client", "Engine", "EngineConfig", "EngineRequest", "FleetParams", "Metrics",
+    "Record", "RequestOutput", "RouterSpec", "SharedPrefixParams", "SimResult", "StepResult", "SweepPoint",
+    "SweepResult", "TraceParams", "Turn", "Workload",
     "build_workload", "chat", "compare", "fleet_for", "make_router", "router_spec", "shared_prefix", "simulate",
-    "trace",
+    "sweep", "trace",
 ]

@@ -195,7 +195,7 @@ class StepResult:
 
 class _Req:
     __slots__ = ("id", "hashes", "tokens", "prompt_len", "max_tokens", "num_tokens", "computed", "out",
-                 "blocks", "n_cached", "cached_tokens", "arrival", "lora", "preemptions")
+                 "blocks", "n_cached", "cached_tokens", "arrival", "lora", "preemptions", "memo")
 
     def __init__(self, rid: str, hashes: list[int], tokens: np.ndarray | None, prompt_len: int,
                  max_tokens: int, arrival: float, lora: str | None) -> None:
@@ -213,6 +213,7 @@ class _Req:
         self.arrival = arrival
         self.lora = lora
         self.preemptions = 0
+        self.memo: tuple[int, int, int, list[int]] | None = None  # last failed admission
 
 
 class Engine:
@@ -231,11 +232,16 @@ class Engine:
         self._hash: list[int | None] = [None] * n
         # Free blocks in eviction order (head first); cached ones keep their hash.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(n))
-        self._cached: dict[int, list[int]] = {}  # hash -> block ids holding it, first used on a hit
+        # hash -> the block a hit uses (its oldest cached copy); further copies in _extra.
+        self._cached: dict[int, int] = {}
+        self._extra: dict[int, list[int]] = {}
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self._reqs: dict[str, _Req] = {}
         self._events: list[KVEvent] = []
+        # Cache versions: a failed admission is retried only when they or the free blocks moved.
+        self._n_stores = 0
+        self._n_evictions = 0
         self._counters = {"steps": 0, "preemptions": 0, "prefix_queries": 0, "prefix_hits": 0,
                           "finished": 0, "aborted": 0, "evicted_blocks": 0}
 
@@ -374,7 +380,16 @@ class Engine:
         waiting = self._waiting
         while waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             r = waiting[0]
-            hit = self._computed_blocks(r) if cfg.enable_prefix_caching else []
+            memo = r.memo
+            if memo is not None and memo[0] == self._n_evictions and memo[1] == self._n_stores \
+                    and len(self._free) <= memo[2]:
+                break  # nothing it depends on changed since it last failed: it fails again
+            if not cfg.enable_prefix_caching:
+                hit = []
+            elif memo is not None and memo[0] == self._n_evictions:
+                hit = self._computed_blocks(r, memo[3])  # no eviction: its earlier hits still hold
+            else:
+                hit = self._computed_blocks(r, [])
             computed = len(hit) * self._bs
             n = r.num_tokens - computed
             if 0 < thr < n:
@@ -384,7 +399,9 @@ class Engine:
             r.n_cached = len(hit)
             if not self._allocate(r, n, hit):
                 r.computed = r.n_cached = 0
+                r.memo = (self._n_evictions, self._n_stores, len(self._free), hit)
                 break  # it waits at the head: only running requests are preempted
+            r.memo = None
             waiting.popleft()
             c = self._counters
             c["prefix_queries"] += r.num_tokens
@@ -420,24 +437,61 @@ class Engine:
     # -- decode batches ---------------------------------------------------------------------
 
     def decode_only(self) -> bool:
-        """Whether the next steps are pure decodes: nothing waits, every running request
-        has exactly one token to compute."""
-        if self._waiting or not self._running:
-            return False
-        return all(r.out > 0 and r.num_tokens - r.computed == 1 for r in self._running) and \
-            len(self._running) <= self.config.max_num_batched_tokens
+        """Whether the next steps are pure decodes: every running request has exactly one
+        token to compute, and nothing waits or the head of the queue cannot be admitted."""
+        return self._decode_only() is not None
+
+    def _decode_only(self) -> tuple[int | None] | None:
+        """None if not decode-only; else (the hash whose caching could unblock the waiting
+        head, or None when nothing waits or no store can unblock it)."""
+        run = self._running
+        if not run or len(run) > self.config.max_num_batched_tokens:
+            return None
+        for r in run:
+            if r.out == 0 or r.num_tokens - r.computed != 1:
+                return None
+        if not self._waiting:
+            return (None,)
+        return self._blocked_head(self.config.max_num_batched_tokens - len(run))
+
+    def _blocked_head(self, budget: int) -> tuple[int | None] | None:
+        """(next hash) if the waiting head cannot be admitted now with `budget` tokens left,
+        else None. While only decodes run and none finishes, free blocks only shrink and the
+        head's need (new blocks + hit blocks taken from the free queue) never drops, unless
+        a store extends its hit: the caller must stop before its next hash is stored."""
+        cfg = self.config
+        if budget <= 0 or len(self._running) >= cfg.max_num_seqs:
+            return (None,)
+        r = self._waiting[0]
+        hit = self._computed_blocks(r, []) if cfg.enable_prefix_caching else []
+        computed = len(hit) * self._bs
+        n = r.num_tokens - computed
+        thr = cfg.long_prefill_token_threshold
+        if 0 < thr < n:
+            n = thr
+        n = min(n, budget)
+        need = max(-(-(computed + n) // self._bs) - len(hit), 0)
+        taken = need + list(map(self._ref.__getitem__, hit)).count(0)
+        if taken <= len(self._free):
+            return None  # it could be admitted: run a real step
+        nxt = len(hit)
+        limit = min((r.num_tokens - 1) // self._bs, len(r.hashes))
+        return (r.hashes[nxt] if nxt < limit and cfg.enable_prefix_caching else None,)
 
     def run_decodes(self, now: float, until: float, max_steps: int | None = None) -> StepResult | None:
         """Run k >= 1 consecutive decode-only steps in one call, exactly as k step() calls
         would (same batches, times, blocks and cache), when nothing else can happen in
         between: k stops at the first step in which a request finishes, before memory would
         run out, and before the step that would end after `until` (the caller's next
-        external event). None when the engine is not decode-only or not even one step fits.
+        external event). A waiting head that cannot be admitted stays waiting (it could only
+        get in after a finish, or when a block it needs is stored: then None). None when the
+        engine is not decode-only or not even one step fits.
 
         The result stands for k steps: start = now, duration = the k steps' total, each
         output has num_new_tokens = k, events come at the end.
         """
-        if not self.decode_only():
+        state = self._decode_only()
+        if state is None:
             return None
         run = self._running
         cfg = self.config
@@ -451,6 +505,12 @@ class Engine:
         k = min(k, _steps_before(until - now, per_step, grow))
         if k < 1:
             return None
+        wanted = state[0]
+        if wanted is not None:
+            bs = self._bs
+            for r in run:
+                if wanted in r.hashes[r.n_cached: (r.computed + k) // bs]:
+                    return None  # this stretch would cache a block the head can hit
         duration = k * per_step + grow * k * (k - 1) / 2.0
         for r in run:
             self._allocate(r, k, ())  # fits: _steps_in_memory checked the total
@@ -488,51 +548,79 @@ class Engine:
 
     # -- KV cache (vllm/v1/core/kv_cache_manager.py, block_pool.py) --------------------------
 
-    def _computed_blocks(self, r: _Req) -> list[int]:
-        """Leading cached blocks of r, at most num_tokens - 1 tokens (get_computed_blocks)."""
+    def _computed_blocks(self, r: _Req, known: list[int]) -> list[int]:
+        """Leading cached blocks of r, at most num_tokens - 1 tokens (get_computed_blocks),
+        continuing after `known`, a prefix found earlier that is still cached."""
         limit = min((r.num_tokens - 1) // self._bs, len(r.hashes))
-        cached = self._cached
-        out = []
-        for h in r.hashes[:limit]:
-            ids = cached.get(h)
-            if ids is None:
-                break
-            out.append(ids[0])
-        return out
+        k = len(known)
+        if k >= limit:
+            return known[:limit]
+        found = list(map(self._cached.get, r.hashes[k:limit]))  # C speed; cut at the first miss
+        try:
+            found = found[: found.index(None)]
+        except ValueError:
+            pass
+        return known + found if known else found  # type: ignore[return-value]
 
     def _allocate(self, r: _Req, n: int, hit: Sequence[int]) -> bool:
         """Blocks for r.computed + n tokens (hit: cached blocks to pin first); False if they
         do not fit, with nothing changed (allocate_slots)."""
-        need = -(-(r.computed + n) // self._bs) - len(r.blocks) - len(hit)
-        ref = self._ref
-        evictable_hits = sum(1 for b in hit if ref[b] == 0)
-        if max(need, 0) + evictable_hits > len(self._free):
-            return False
+        need = max(-(-(r.computed + n) // self._bs) - len(r.blocks) - len(hit), 0)
         free = self._free
-        for b in hit:
-            if ref[b] == 0:
-                del free[b]
-            ref[b] += 1
-        r.blocks.extend(hit)
-        for _ in range(need):
-            r.blocks.append(self._pop_free())
+        if need > len(free):
+            return False
+        ref = self._ref
+        if hit:
+            # Hit blocks in the free queue leave it: they count against the free blocks.
+            if need + list(map(ref.__getitem__, hit)).count(0) > len(free):
+                return False
+            for b in hit:
+                if ref[b] == 0:
+                    del free[b]
+                ref[b] += 1
+            r.blocks.extend(hit)
+        if need:
+            r.blocks.extend(self._pop_free(need))
         if self.config.cache_on_schedule:
             self._cache(r, min(r.computed + n, r.num_tokens))
         return True
 
-    def _pop_free(self) -> int:
-        b, _ = self._free.popitem(last=False)
-        h = self._hash[b]
-        if h is not None:  # a cached block is reused: evict it (_maybe_evict_cached_block)
-            ids = self._cached[h]
-            ids.remove(b)
-            if not ids:
-                del self._cached[h]
-            self._hash[b] = None
-            self._events.append(BlockRemoved((h,)))
-            self._counters["evicted_blocks"] += 1
-        self._ref[b] = 1
-        return b
+    def _pop_free(self, count: int) -> list[int]:
+        """Take `count` blocks from the head of the free queue, evicting cached ones
+        (_maybe_evict_cached_block); one BlockRemoved event lists the evicted hashes."""
+        popitem = self._free.popitem
+        hashes = self._hash
+        cached = self._cached
+        ref = self._ref
+        out = []
+        evicted = []
+        for _ in range(count):
+            b = popitem(last=False)[0]
+            h = hashes[b]
+            if h is not None:
+                if h in self._extra:
+                    self._drop_copy(h, b)
+                else:
+                    del cached[h]
+                hashes[b] = None
+                evicted.append(h)
+            ref[b] = 1
+            out.append(b)
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted)))
+            self._counters["evicted_blocks"] += len(evicted)
+            self._n_evictions += 1
+        return out
+
+    def _drop_copy(self, h: int, b: int) -> None:
+        """Forget block b as a copy of h when h has several copies."""
+        extra = self._extra[h]
+        if self._cached[h] == b:
+            self._cached[h] = extra.pop(0)
+        else:
+            extra.remove(b)
+        if not extra:
+            del self._extra[h]
 
     def _cache(self, r: _Req, num_tokens: int) -> None:
         """Register r's full, computed blocks up to num_tokens (cache_full_blocks)."""
@@ -549,12 +637,12 @@ class Engine:
             b = r.blocks[i]
             h = hs[i]
             self._hash[b] = h
-            ids = cached.get(h)
-            if ids is None:
-                cached[h] = [b]
+            if h in cached:
+                self._extra.setdefault(h, []).append(b)  # no de-duplication, as vLLM
             else:
-                ids.append(b)
+                cached[h] = b
         r.n_cached = full
+        self._n_stores += 1
         toks = () if r.tokens is None else tuple(r.tokens[start * bs: full * bs].tolist())
         self._events.append(BlockStored(tuple(hs[start:full]), hs[start - 1] if start else None, toks, bs,
                                         lora_name=r.lora))
@@ -583,7 +671,9 @@ class Engine:
         if len(self._free) != self.config.num_kv_blocks:
             return False
         self._cached.clear()
+        self._extra.clear()
         self._hash = [None] * self.config.num_kv_blocks
+        self._n_evictions += 1
         self._events.append(AllBlocksCleared())
         return True
 
@@ -604,15 +694,20 @@ class Engine:
             "num_waiting": len(self._waiting),
             "kv_usage": (n - len(self._free)) / n,
             "num_free_blocks": len(self._free),
-            "num_cached_blocks": sum(len(v) for v in self._cached.values()),
+            "num_cached_blocks": len(self._cached) + sum(len(v) for v in self._extra.values()),
             "waiting_tokens": sum(r.num_tokens - r.computed for r in self._waiting),
         }
         out.update(self._counters)
         return out
 
+    def load(self) -> tuple[int, int, float]:
+        """(num_waiting, num_running, kv_usage): what vLLM's /metrics reports, cheaply."""
+        n = self.config.num_kv_blocks
+        return len(self._waiting), len(self._running), (n - len(self._free)) / n
+
     def cached_hashes(self) -> dict[int, int]:
         """hash -> number of cached copies (what replaying the events must give)."""
-        return {h: len(ids) for h, ids in self._cached.items()}
+        return {h: 1 + len(self._extra.get(h, ())) for h in self._cached}
 
     def block_state(self) -> dict[str, Any]:
         """Internals for invariant checks: ref counts, free ids in order, per-request blocks."""
@@ -632,8 +727,8 @@ class Engine:
 
 def _steps_before(budget: float, per_step: float, grow: float) -> int:
     """Largest k >= 0 with k * per_step + grow * k * (k - 1) / 2 <= budget."""
-    if budget < per_step or per_step <= 0:
-        return 0 if per_step > 0 else 1 << 30
+    if budget < per_step or per_step <= 0 or math.isinf(budget):
+        return 0 if budget < per_step else 1 << 30
     if grow <= 0:
         return int(budget // per_step)
     # grow/2 k^2 + (per_step - grow/2) k - budget <= 0

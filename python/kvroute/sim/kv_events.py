@@ -8,8 +8,8 @@ three dataclasses, field for field the events of vLLM's vllm/distributed/kv_even
   caching call; block_hashes continue the chain after parent_block_hash (None: from the
   root). token_ids are the blocks' tokens (empty when the request was given as block
   hashes only, as the simulator's workloads are).
-- BlockRemoved: one event per evicted block, as vLLM's _maybe_evict_cached_block emits
-  them. Like vLLM, the engine does not de-duplicate: two requests that compute the same
+- BlockRemoved: evicted blocks, one event per allocation that evicted (vLLM's
+  _maybe_evict_cached_block emits one per block; a batch means the same). Like vLLM, the engine does not de-duplicate: two requests that compute the same
   block in the same step hold two cached copies, each stored and each removed by its own
   event, so a consumer that needs "is this hash cached" must count copies (replay_set does).
 - AllBlocksCleared: reset_prefix_cache() emptied the cache.

@@ -4,16 +4,25 @@ Definitions (the seed's "Evals" section):
 
 - hit rate = cached input tokens / total input tokens, over all requests (a token-weighted
   ratio, not a fraction of requests).
-- TTFT = first-token time - arrival time: queueing in the replica's prefill queue plus
-  the request's own prefill. Percentiles use numpy's default linear interpolation.
+- TTFT = first-token time - arrival time: waiting for admission (token budget, KV memory,
+  max_num_seqs), the request's own prefill chunks, and the steps it shares with others.
+  Percentiles use numpy's default linear interpolation.
 - cold-start TTFT: the same over the first turns of sessions only (a single-turn
   workload's requests are all first turns).
-- prefill seconds: the time a replica's prefill queue was busy (uncached tokens /
-  prefill_rate + overhead per request). busiest/mean = max over replicas / mean over
+- prefill seconds: compute time of the uncached prompt tokens (uncached x per_token_s)
+  per request, summed per replica. busiest/mean = max over replicas / mean over
   replicas; fleet prefill = the sum.
 - rebinds and stranded blocks: as the router's decisions reported them.
 - predicted hit rate: what the router believed it would save (Decision.cached_tokens),
   against which `hit_rate` shows the cost of stale or approximate knowledge.
+- arrival rate = requests / (last arrival - first arrival), per second.
+- throughput = output tokens / makespan (tokens per second, the whole fleet);
+  request throughput = requests / makespan.
+- TPOT (time per output token) of a request with n > 1 output tokens =
+  (completion - first token) / (n - 1); mean and p90 over those requests.
+- preemptions: requests the engines preempted (recompute), summed over replicas.
+- rejected: requests longer than an engine's KV memory, refused at arrival and left out
+  of every other statistic (requests counts the served ones).
 """
 
 from __future__ import annotations
@@ -55,6 +64,13 @@ class Metrics:
     stranded_blocks: int
     predicted_hit_rate: float
     makespan_s: float
+    arrival_rate: float = math.nan
+    throughput_tok_s: float = math.nan
+    throughput_req_s: float = math.nan
+    tpot_mean: float = math.nan
+    tpot_p90: float = math.nan
+    preemptions: int = 0
+    rejected: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values; nan (an empty run) becomes None."""
@@ -80,6 +96,11 @@ def compute(
     stranded_blocks: int = 0,
     predicted_cached_tokens: np.ndarray | None = None,
     makespan_s: float = 0.0,
+    arrival: np.ndarray | None = None,
+    finish: np.ndarray | None = None,
+    output_tokens: np.ndarray | None = None,
+    preemptions: int = 0,
+    rejected: int = 0,
 ) -> Metrics:
     """Metrics from per-request arrays (one entry per completed request)."""
     prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
@@ -94,6 +115,21 @@ def compute(
     mean_replica = float(per_replica.mean()) if num_replicas else 0.0
     predicted = 0 if predicted_cached_tokens is None else int(np.asarray(predicted_cached_tokens).sum())
     cold = ttft[first_turn]
+    rate = tput = rtput = tpot_mean = tpot_p90 = math.nan
+    if arrival is not None and ttft.size > 1:
+        arrival = np.asarray(arrival, dtype=np.float64)
+        span = float(arrival.max() - arrival.min())
+        rate = (ttft.size - 1) / span if span > 0 else math.inf
+    if output_tokens is not None and makespan_s > 0:
+        output_tokens = np.asarray(output_tokens, dtype=np.int64)
+        tput = float(output_tokens.sum()) / makespan_s
+        rtput = ttft.size / makespan_s
+    if finish is not None and output_tokens is not None and arrival is not None:
+        many = np.asarray(output_tokens) > 1
+        first = np.asarray(arrival, dtype=np.float64) + ttft
+        tpot = (np.asarray(finish, dtype=np.float64)[many] - first[many]) / (np.asarray(output_tokens)[many] - 1)
+        if tpot.size:
+            tpot_mean, tpot_p90 = float(tpot.mean()), percentile(tpot, 90)
     return Metrics(
         requests=int(ttft.size),
         input_tokens=total,
@@ -113,6 +149,13 @@ def compute(
         stranded_blocks=int(stranded_blocks),
         predicted_hit_rate=predicted / total if total else math.nan,
         makespan_s=float(makespan_s),
+        arrival_rate=rate,
+        throughput_tok_s=tput,
+        throughput_req_s=rtput,
+        tpot_mean=tpot_mean,
+        tpot_p90=tpot_p90,
+        preemptions=int(preemptions),
+        rejected=int(rejected),
     )
 
 

@@ -6,6 +6,7 @@ import math
 from typing import Any, Sequence
 
 from .fleet import SimResult
+from .sweep import SweepResult
 
 COLUMNS = ("router", "hit rate", "mean TTFT", "p90 TTFT", "busiest/mean", "fleet prefill")
 
@@ -69,16 +70,27 @@ def as_json(results: Sequence[SimResult], **context: Any) -> dict[str, Any]:
     return {**context, "results": [r.as_dict() for r in results]}
 
 
-def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
-    """Per-replica prefill seconds as bars, one panel per router (matplotlib, Agg)."""
+def plot(results: Sequence[SimResult], path: str, title: str = "",
+         sweeps: Sequence[SweepResult] | None = None) -> None:
+    """Per-replica prefill seconds as bars, one panel per router (matplotlib, Agg); with
+    sweeps, a first panel draws p90 TTFT against arrival rate per router, the SLO dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(results)
-    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 0.6, 3.2), sharey=True, squeeze=False)
-    for ax, res in zip(axes[0], results):
+    extra = 1 if sweeps else 0
+    fig, axes = plt.subplots(1, n + extra, figsize=(2.6 * n + 0.6 + 4.2 * extra, 3.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.8] * extra + [1] * n})
+    if sweeps:
+        _sweep_panel(axes[0][0], sweeps)
+        for ax in axes[0][2:]:
+            ax.sharey(axes[0][1])
+    else:
+        for ax in axes[0][1:]:
+            ax.sharey(axes[0][0])
+    for ax, res in zip(axes[0][extra:], results):
         per = res.metrics.replica_prefill_s
         ax.bar(range(len(per)), per, color="#4c72b0")
         ax.set_title(f"{res.router}\nhit {_pct(res.metrics.hit_rate)}, p90 {fmt_seconds(res.metrics.ttft_p90)}",
@@ -86,7 +98,7 @@ def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
         ax.set_xlabel("replica")
         ax.set_xticks(range(len(per)))
         ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel("prefill seconds")
+    axes[0][extra].set_ylabel("prefill seconds")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -94,4 +106,46 @@ def plot(results: Sequence[SimResult], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-__all__ = ["COLUMNS", "as_json", "fmt_seconds", "markdown_table", "plot", "rows", "text_table"]
+def _sweep_panel(ax: Any, sweeps: Sequence[SweepResult]) -> None:
+    for sw in sweeps:
+        pts = [p for p in sw.points if math.isfinite(p.arrival_rate)]
+        ax.plot([p.arrival_rate for p in pts], [p.ttft_p90 for p in pts], marker="o", ms=3, lw=1.2,
+                label=f"{sw.router} ({sw.goodput:.2f}/s)")
+    ax.axhline(sweeps[0].slo, color="k", ls="--", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("p90 TTFT (s)")
+    ax.set_title(f"goodput at p90 TTFT <= {sweeps[0].slo:g} s", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.tick_params(labelsize=7)
+
+
+def sweep_rows(sweeps: Sequence[SweepResult]) -> list[list[str]]:
+    """Per router: goodput (req/s), its rate factor, p90 TTFT and hit rate there, runs."""
+    out = []
+    for sw in sweeps:
+        pt = sw.at(sw.goodput_scale) if sw.goodput_scale else None
+        out.append([sw.router, f"{sw.goodput:.3f}/s", f"x{sw.goodput_scale:.3g}" if pt else "-",
+                    fmt_seconds(pt.ttft_p90) if pt else "-", _pct(pt.result.metrics.hit_rate) if pt else "-",
+                    str(len(sw.points))])
+    return out
+
+
+SWEEP_COLUMNS = ("router", "goodput", "rate factor", "p90 TTFT", "hit rate", "runs")
+
+
+def sweep_table(sweeps: Sequence[SweepResult]) -> str:
+    """Goodput per router as aligned plain text."""
+    body = [list(SWEEP_COLUMNS)] + sweep_rows(sweeps)
+    widths = [max(len(r[i]) for r in body) for i in range(len(SWEEP_COLUMNS))]
+    lines = []
+    for k, r in enumerate(body):
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "as_json", "fmt_seconds", "markdown_table", "plot", "rows", "sweep_rows",
+           "sweep_table", "text_table"]

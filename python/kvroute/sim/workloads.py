@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -82,6 +82,17 @@ class Workload:
     def turns(self) -> list[Turn]:
         """Every request, client by client."""
         return [t for c in self.clients for t in c.turns]
+
+    def scaled(self, rate: float) -> "Workload":
+        """The same requests arriving `rate` times as fast: start times and think times
+        divided by rate (an open-loop trace's arrival rate is multiplied by rate; a
+        closed-loop client thinks rate times less between an answer and its next turn)."""
+        _check_float("rate", rate, 0.0, strict=True)
+        if rate == 1.0:
+            return self
+        clients = tuple(Client(c.start / rate, tuple(replace(t, think_time=t.think_time / rate) for t in c.turns))
+                        for c in self.clients)
+        return Workload(self.name, self.block_tokens, clients, f"{self.description}, rate x{rate:g}")
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

@@ -71,6 +71,10 @@ class Tokenizer(ABC):
     def vocab_size(self) -> int:
         """Number of token ids (special tokens included)."""
 
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as an int32 array (what routing hashes); subclasses may do it faster."""
+        return np.asarray(self.encode(text), dtype=np.int32)
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat (no tokenizer-added special tokens)."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import re
+
+import numpy as np
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +61,19 @@ class ByteTokenizer(Tokenizer):
             elif piece:
                 ids.extend(piece.encode())
         return ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as int32, without a Python int per byte."""
+        pieces = self._split.split(text)
+        if len(pieces) == 1:
+            return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int32)
+        parts = []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                parts.append(np.array([self._special[piece]], dtype=np.int32))
+            elif piece:
+                parts.append(np.frombuffer(piece.encode(), dtype=np.uint8).astype(np.int32))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; invalid UTF-8 is replaced."""

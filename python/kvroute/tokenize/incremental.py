@@ -71,7 +71,12 @@ class IncrementalEncoder:
 
     def encode(self, session: str | None, text: str) -> np.ndarray:
         """Ids of `text` (no tokenizer-added special tokens), reusing `session`'s previous ids."""
-        entry = self._cache.get(session) if session is not None else None
+        if session is None:
+            ids = self.tokenizer.encode_array(text)
+            self.stats.misses += 1
+            self.stats.encoded_tokens += len(ids)
+            return ids
+        entry = self._cache.get(session)
         split = self._shared_boundary(entry, text) if entry is not None else -1
         if entry is None or split < 0:
             self.stats.misses += 1
@@ -79,16 +84,15 @@ class IncrementalEncoder:
         else:
             self.stats.hits += 1
             new = self._extend(entry, split, text)
-        if session is not None:
-            self._store(session, new)
-        return new.ids if new is not None else np.asarray(self.tokenizer.encode(text), dtype=np.int32)
+        self._store(session, new)
+        return new.ids
 
     def forget(self, session: str) -> None:
         """Drop a session's entry."""
         self._cache.pop(session, None)
 
-    def _full(self, text: str) -> _Entry | None:
-        ids = np.asarray(self.tokenizer.encode(text), dtype=np.int32)
+    def _full(self, text: str) -> _Entry:
+        ids = self.tokenizer.encode_array(text)
         self.stats.encoded_tokens += len(ids)
         bounds = self.tokenizer.boundaries(text, ids)
         if bounds is None:
@@ -114,10 +118,10 @@ class IncrementalEncoder:
                 hi = mid
         return lo - 1
 
-    def _extend(self, entry: _Entry, j: int, text: str) -> _Entry | None:
+    def _extend(self, entry: _Entry, j: int, text: str) -> _Entry:
         b, k = entry.chars[j], entry.toks[j]
         suffix = text[b:]
-        sids = np.asarray(self.tokenizer.encode(suffix), dtype=np.int32)
+        sids = self.tokenizer.encode_array(suffix)
         bounds = self.tokenizer.boundaries(suffix, sids)
         if bounds is None:
             return self._full(text)
@@ -129,9 +133,7 @@ class IncrementalEncoder:
         toks = entry.toks[:j] + [k + t for t in bounds[2]]
         return _Entry(text, ids, chars, ends, toks)
 
-    def _store(self, session: str, entry: _Entry | None) -> None:
-        if entry is None:
-            return
+    def _store(self, session: str, entry: _Entry) -> None:
         self._cache[session] = entry
         self._cache.move_to_end(session)
         while len(self._cache) > self.max_sessions:

@@ -1,0 +1,168 @@
+"""The gateway's replicas: router membership, circuit breakers, KV-event subscribers, and the
+engine-reported load and models, behind add / remove / drain (the admin API calls these)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from .. import block_hashes
+from .breaker import CLOSED, Breaker
+from .config import GatewayConfig, ReplicaSpec
+from .metrics import GatewayMetrics, ReplicaMetrics
+
+log = logging.getLogger("kvroute.gateway")
+
+
+def hash_prompt(tokens: Any, block_size: int, salt: str | None, lora: str | None, cache_salt: str | None,
+                mm: list[tuple[str, int, int]] | None) -> Any:
+    """kvroute.block_hashes with the request's cache keys (contract C1)."""
+    return block_hashes(tokens, block_size, salt=salt, lora=lora, cache_salt=cache_salt, mm=mm)
+
+
+def add_to_router(router: Any, spec: ReplicaSpec) -> int:
+    """Router.add_replica with the engine block size (contract C2)."""
+    return int(router.add_replica(spec.name, engine_block_size=spec.block_size))
+
+
+@dataclasses.dataclass
+class Replica:
+    """One replica's gateway-side state."""
+
+    spec: ReplicaSpec
+    id: int
+    metrics: ReplicaMetrics
+    breaker: Breaker
+    subscriber: Any = None
+    record_routes: bool = False
+    models: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    lora: set[str] = dataclasses.field(default_factory=set)
+    reported: dict[str, Any] = dataclasses.field(default_factory=dict)
+    scrape_errors: int = 0
+    in_flight: int = 0
+
+
+class Fleet:
+    """Replicas by name; every change goes through here so router, breakers, subscribers
+    and metrics agree."""
+
+    def __init__(self, router: Any, config: GatewayConfig, metrics: GatewayMetrics) -> None:
+        self.router = router
+        self.config = config
+        self.metrics = metrics
+        self.replicas: dict[str, Replica] = {}
+        self.lora_models: frozenset[str] = frozenset(config.lora_models)
+
+    def add(self, spec: ReplicaSpec) -> Replica:
+        """Add a replica (and follow its events in precise/hybrid mode); ValueError if the name exists."""
+        if spec.name in self.replicas:
+            raise ValueError(f"replica '{spec.name}' already exists")
+        mode = self.router.config.mode
+        rid = add_to_router(self.router, spec)
+        rep = Replica(spec, rid, self.metrics.replica(spec.name),
+                      Breaker(self.config.breaker_backoff, self.config.breaker_max_backoff),
+                      record_routes=mode == "precise" and spec.events is None)
+        rep.metrics.breaker_state(CLOSED)
+        if spec.events is not None and mode != "approximate":
+            try:
+                rep.subscriber = self._subscribe(rid, spec)
+            except Exception:
+                self.router.remove_replica(spec.name)
+                self.metrics.forget(spec.name)
+                raise
+        self.replicas[spec.name] = rep
+        return rep
+
+    def _subscribe(self, rid: int, spec: ReplicaSpec) -> Any:
+        from ..events import EventApplier, Source, Subscriber
+
+        assert spec.events is not None
+        applier = EventApplier(self.router.index, self.router.config.block_size, salt=self.config.salt)
+        return Subscriber(applier, [Source(rid, spec.events, replay_endpoint=spec.replay)]).start()
+
+    def remove(self, name: str) -> None:
+        """Remove a replica: its subscriber stops, its index blocks and in-flight accounting go."""
+        rep = self.get(name)
+        if rep.subscriber is not None:
+            rep.subscriber.stop()
+        self.router.remove_replica(name)
+        del self.replicas[name]
+        self.metrics.forget(name)
+        self._refresh_lora()
+
+    def drain(self, name: str, draining: bool = True) -> None:
+        """Stop (or resume) routing new requests to a replica; requests in flight finish."""
+        self.get(name)
+        self.router.drain(name, draining)
+
+    def get(self, name: str) -> Replica:
+        """The replica named `name`; KeyError naming it otherwise."""
+        rep = self.replicas.get(name)
+        if rep is None:
+            raise KeyError(f"no replica named '{name}'")
+        return rep
+
+    def failure(self, rep: Replica, kind: str) -> None:
+        """A request or probe failed on `rep`: count it and open its breaker."""
+        self.metrics.upstream_errors.labels(rep.spec.name, kind).inc()
+        if rep.breaker.failure(time.monotonic()):
+            rep.metrics.breaker_opened.inc()
+            log.warning("replica %s: breaker open for %.1fs (%s)", rep.spec.name, rep.breaker.period, kind)
+        self._sync_health(rep)
+
+    def probe_result(self, rep: Replica, ok: bool) -> None:
+        """A /health probe's outcome."""
+        if not ok:
+            self.failure(rep, "health")
+        elif rep.breaker.success():
+            log.warning("replica %s: breaker closed", rep.spec.name)
+        self._sync_health(rep)
+
+    def _sync_health(self, rep: Replica) -> None:
+        if rep.spec.name in self.replicas:
+            self.router.set_healthy(rep.spec.name, rep.breaker.routable)
+        rep.metrics.breaker_state(rep.breaker.state)
+
+    def set_models(self, rep: Replica, models: list[dict[str, Any]], lora: set[str]) -> None:
+        """Record a replica's /v1/models answer."""
+        rep.models, rep.lora = models, lora
+        self._refresh_lora()
+
+    def _refresh_lora(self) -> None:
+        learned = set().union(*(r.lora for r in self.replicas.values())) if self.replicas else set()
+        self.lora_models = frozenset(self.config.lora_models) | learned
+
+    def events_status(self) -> list[tuple[str, dict[str, Any]]]:
+        """(name, subscriber counters) of every followed replica (for /metrics and the admin API)."""
+        out = []
+        for name, rep in list(self.replicas.items()):
+            if rep.subscriber is not None:
+                st = rep.subscriber.status()
+                out.append((name, st["replicas"].get(rep.id, {})))
+        return out
+
+    def describe(self, rep: Replica) -> dict[str, Any]:
+        """A replica for GET /kvroute/replicas."""
+        load = self.router.load(rep.spec.name)
+        events = None
+        if rep.subscriber is not None:
+            st = rep.subscriber.status()["replicas"].get(rep.id, {})
+            events = {k: st.get(k) for k in ("batches", "lag", "gaps", "resyncs", "malformed", "last_seq")}
+        return {
+            "name": rep.spec.name, "url": rep.spec.url, "id": rep.id,
+            "events": rep.spec.events, "replay": rep.spec.replay,
+            "knowledge": "events" if rep.subscriber is not None else "routes",
+            "health": rep.breaker.state, "routable": rep.breaker.routable, "draining": load["draining"],
+            "in_flight": rep.in_flight, "load": load, "reported": rep.reported,
+            "blocks_held": int(self.router.index.blocks(rep.id)),
+            "events_status": events, "models": [m["id"] for m in rep.models],
+        }
+
+    def close(self) -> None:
+        """Stop every subscriber."""
+        for rep in self.replicas.values():
+            if rep.subscriber is not None:
+                rep.subscriber.stop()
+                rep.subscriber = None

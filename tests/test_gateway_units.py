@@ -1,0 +1,148 @@
+"""The gateway's pure parts: config (TOML + flags), breaker (a state machine against a naive
+model), engine /metrics parsing, request bodies to prompts and keys."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvroute.gateway.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
+from kvroute.gateway.config import GatewayConfig, ReplicaSpec, parse_argv
+from kvroute.gateway.load import parse_load, parse_models
+from kvroute.gateway.prompt import BadRequest, LocalTokens, build_prompt, completion_prompt, keys, session_of
+from kvroute.tokenize import load_tokenizer
+
+
+def test_replica_spec_parse():
+    r = ReplicaSpec.parse("http://127.0.0.1:8001/,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,block_size=32")
+    assert (r.url, r.name, r.events, r.replay, r.block_size) == (
+        "http://127.0.0.1:8001", "127.0.0.1:8001", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", 32)
+    assert ReplicaSpec.parse("http://h:1,name=a").name == "a"
+    for bad, msg in (("ftp://h", "url"), ("http://h:1,foo=1", "unknown option"), ("http://h:1,events=nope", "events"),
+                     ("http://h:1,replay=tcp://x:1", "replay= needs events="), ("http://h:1,block_size=0", "block_size")):
+        with pytest.raises(ValueError, match=msg):
+            ReplicaSpec.parse(bad)
+
+
+def test_toml_then_flags(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text('port = 9100\npolicy = "sglang"\nsession_header = "X-User"\nlora_models = ["a", "b"]\n'
+                    'policy_params = { balance_abs = 8 }\n'
+                    '[[replica]]\nurl = "http://127.0.0.1:8001"\nname = "r0"\n'
+                    '[[replica]]\nurl = "http://127.0.0.1:8002"\nevents = "tcp://127.0.0.1:5557"\n')
+    cfg = parse_argv(["--config", str(path)])
+    assert (cfg.port, cfg.policy, cfg.session_header, cfg.lora_models) == (9100, "sglang", "X-User", ("a", "b"))
+    assert [r.name for r in cfg.replicas] == ["r0", "127.0.0.1:8002"] and cfg.routing_mode == "approximate"
+    cfg = parse_argv(["--config", str(path), "--port", "9200", "--replica", "http://127.0.0.1:9,events=tcp://x:1",
+                      "--lora-models", "z"])
+    assert cfg.port == 9200 and [r.url for r in cfg.replicas] == ["http://127.0.0.1:9"]
+    assert cfg.routing_mode == "precise" and cfg.lora_models == ("z",) and cfg.policy == "sglang"
+    path.write_text("colour = 1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_argv(["--config", str(path)])
+    with pytest.raises(ValueError, match="unique"):
+        GatewayConfig(replicas=(ReplicaSpec("http://a:1"), ReplicaSpec("http://a:1")))
+    with pytest.raises(ValueError, match="policy"):
+        GatewayConfig(policy="best")
+
+
+def test_every_flag_has_a_toml_key():
+    import argparse
+
+    from kvroute.gateway.config import _FIELDS, add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    dests = {a.dest for a in p._actions} - {"help", "config"}
+    assert {("replicas" if d == "replica" else d) for d in dests} <= set(_FIELDS)
+    assert set(_FIELDS) - {"replicas"} - {"policy_params"} <= dests
+
+
+class BreakerMachine(RuleBasedStateMachine):
+    """Breaker against a naive model: a list of the open periods so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = Breaker(backoff=1.0, max_backoff=8.0)
+        self.now = 0.0
+        self.state, self.until, self.period = CLOSED, 0.0, 0.0
+
+    @rule(dt=st.floats(0, 20))
+    def tick(self, dt):
+        self.now += dt
+
+    @rule()
+    def fail(self):
+        opened = self.b.failure(self.now)
+        if self.state == OPEN:
+            assert not opened
+            return
+        self.period = 1.0 if self.state == CLOSED else min(self.period * 2, 8.0)
+        self.state, self.until = OPEN, self.now + self.period
+        assert opened
+
+    @rule()
+    def succeed(self):
+        closed = self.b.success()
+        assert closed == (self.state == HALF_OPEN)
+        if closed:
+            self.state = CLOSED
+
+    @rule()
+    def probe(self):
+        if self.state == OPEN and self.now >= self.until:
+            self.state = HALF_OPEN
+        assert self.b.probe_due(self.now) == (self.state != OPEN)
+
+    @invariant()
+    def agrees(self):
+        assert self.b.state == self.state and self.b.routable == (self.state == CLOSED)
+        if self.state != CLOSED:
+            assert self.b.period == self.period and 1.0 <= self.b.period <= 8.0
+
+
+TestBreaker = BreakerMachine.TestCase
+
+
+def test_parse_load_vllm_and_sglang():
+    text = ("# TYPE vllm:num_requests_waiting gauge\n"
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="1",model_name="m"} 2.0\n'
+            'vllm:num_requests_running{model_name="m"} 7\n'
+            'vllm:gpu_cache_usage_perc{model_name="m"} 0.25\n'
+            'vllm:num_requests_swapped{model_name="m"} 9\n')
+    assert parse_load(text) == {"waiting": 5, "running": 7, "kv_usage": 0.25}
+    sg = 'sglang:num_queue_reqs{name="x"} 4\nsglang:num_running_reqs 1\nsglang:token_usage 1.5\nsglang:token_usage NaN\n'
+    assert parse_load(sg) == {"waiting": 4, "running": 1, "kv_usage": 1.0}
+    assert parse_load("other 1\n") == {}
+    models, lora = parse_models({"data": [{"id": "base"}, {"id": "ad", "parent": "base"}, {"x": 1}]})
+    assert [m["id"] for m in models] == ["base", "ad"] and lora == {"ad"}
+    assert parse_models([]) == ([], set())
+
+
+def test_prompts_and_keys():
+    tok = load_tokenizer(None)
+    lt = LocalTokens(tok, 8)
+    body = {"model": "ad", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}],
+        "cache_salt": "tenant-1", "user": "u1"}
+    ids = lt.chat(body, "s")
+    assert ids.tolist() == tok.encode_chat([{"role": "user", "content": "look"}])
+    p = build_prompt(body, "chat", ids, session_of(body, None), frozenset({"ad"}))
+    assert (p.lora, p.cache_salt, p.session, p.stream) == ("ad", "tenant-1", "u1", False)
+    assert p.mm is not None and len(p.mm) == 1
+    assert keys({"model": "base"}, frozenset({"ad"})) == (None, None)
+    assert session_of({"user": "u"}, "hdr") == "hdr"
+    assert lt.completion({"prompt": [5, 6]}) == [5, 6] and lt.completion({"prompt": ["ab", "cd"]}) == [97, 98]
+    assert completion_prompt({"prompt": [[1, 2], [3]]}) == [1, 2]
+    for bad, field in (({"prompt": True}, "prompt"), ({"prompt": []}, "prompt")):
+        with pytest.raises(BadRequest) as e:
+            lt.completion(bad)
+        assert e.value.param == field
+    with pytest.raises(BadRequest) as e:
+        lt.chat({"messages": [{"role": "user", "content": "x"}], "tools": "no"}, None)
+    assert e.value.param == "tools"
+    with pytest.raises(BadRequest) as e:
+        lt.chat({"messages": [{"role": "user", "content": 5}]}, None)
+    assert e.value.param == "messages"

@@ -1,0 +1,93 @@
+"""The ideal fleet (one shared cache of the fleet's memory, one central queue) on
+hand-computed cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvroute import sim
+from kvroute.sim.ideal import fraction_of_ideal, simulate_ideal
+from kvroute.sim.workloads import Client, Turn, Workload
+
+# 10 ms per step plus 1 ms per batched token, no KV read cost: every time below is exact.
+FLEET = sim.FleetParams(replicas=2, cache_tokens=16 * 100, step_fixed_s=0.01, per_token_s=0.001,
+                        per_kv_token_s=0.0)
+
+
+def _turn(base: int, blocks: int = 62, extra: int = 8, output: int = 1, think: float = 0.0,
+          first: bool = True) -> Turn:
+    chain = np.arange(base, base + blocks, dtype=np.uint64)
+    return Turn(chain, blocks * 16 + extra, output, chain, think, None, first)
+
+
+def _wl(clients: list[Client]) -> Workload:
+    return Workload("hand", 16, tuple(clients))
+
+
+def test_central_queue_and_shared_cache():
+    # Three 1,000-token prompts at t=0 on two replicas; the third repeats the SECOND.
+    wl = _wl([Client(0.0, (_turn(1000),)), Client(0.0, (_turn(5000),)), Client(0.0, (_turn(5000),))])
+    res = simulate_ideal(wl, FLEET)
+    rec = res.records
+    # The first two run at once (one per replica), 10 ms + 1,000 x 1 ms = 1.01 s. The
+    # third goes to replica 0 (both run one request; lowest index), is admitted when its
+    # step ends, and hits the 62 blocks replica 1 computed: 8 tokens, 18 ms.
+    assert rec.replica.tolist() == [0, 1, 0]
+    assert rec.cached_tokens.tolist() == [0, 0, 992]
+    assert rec.ttft.tolist() == pytest.approx([1.01, 1.01, 1.028])
+    assert res.metrics.hit_rate == pytest.approx(992 / 3000)
+    # Per replica caches: the repeat on replica 0 cannot see replica 1's blocks.
+    split = sim.simulate(wl, "round-robin", FLEET)
+    assert split.records.replica.tolist() == [0, 1, 0] and split.records.cached_tokens.tolist() == [0, 0, 0]
+    assert fraction_of_ideal(split, res)["hit_rate"] == 0.0
+
+
+def test_cache_is_the_fleets_total():
+    # 2 x 100 blocks pooled: three 62-block conversations fit together (186 blocks), so
+    # each one's second turn hits its whole history; one replica's 100 blocks hold one.
+    clients = [Client(i * 5.0, (_turn(10_000 * (i + 1)), _turn(10_000 * (i + 1), think=30.0, first=False)))
+               for i in range(3)]
+    res = simulate_ideal(_wl(clients), FLEET)
+    assert res.records.cached_tokens[~res.records.first].tolist() == [992, 992, 992]
+    routed = sim.simulate(_wl(clients), "round-robin", FLEET)
+    assert routed.metrics.cached_tokens < res.metrics.cached_tokens
+
+
+def test_no_request_waits_while_a_replica_has_room():
+    # max_num_seqs=1: a replica running one request takes no other; the second arrival
+    # goes to the idle replica, the third waits centrally for the first to finish.
+    fleet = sim.FleetParams(**{**FLEET.__dict__, "max_num_seqs": 1})
+    wl = _wl([Client(0.0, (_turn(1000),)), Client(0.5, (_turn(2000),)), Client(0.6, (_turn(3000),))])
+    res = simulate_ideal(wl, fleet)
+    assert res.records.replica.tolist() == [0, 1, 0]
+    assert res.records.ttft.tolist() == pytest.approx([1.01, 1.01, 1.01 + 1.01 - 0.6])
+
+
+def test_fraction_of_ideal():
+    wl = _wl([Client(0.0, (_turn(1000),)), Client(0.0, (_turn(5000),)), Client(0.0, (_turn(1000),))])
+    ideal = simulate_ideal(wl, FLEET)
+    rr = sim.simulate(wl, "round-robin", FLEET)
+    # Round-robin also puts the repeat of the first on replica 0: same hits, same times.
+    assert rr.records.replica.tolist() == [0, 1, 0]
+    frac = fraction_of_ideal(rr, ideal)
+    assert frac["hit_rate"] == pytest.approx(1.0) and frac["ttft_p90"] == pytest.approx(1.0)
+    one = sim.FleetParams(**{**FLEET.__dict__, "replicas": 1})
+    slow = fraction_of_ideal(sim.simulate(wl, "round-robin", one), ideal)
+    assert slow["ttft_p90"] < 1.0
+
+
+def test_ideal_on_chat():
+    wl = sim.chat(sim.ChatParams(sessions_per_replica=4, conversations_per_user=2), replicas=4, seed=2)
+    fleet = sim.FleetParams(replicas=4)
+    ideal = simulate_ideal(wl, fleet)
+    rec = ideal.records
+    assert ideal.metrics.requests == wl.num_requests and rec.cached_tokens[rec.first].sum() == 0
+    # The pooled memory holds every live history: a later turn hits its previous turn's
+    # prompt + answer blocks, all but one at most (the answer's last token has no KV).
+    later = ~rec.first
+    prev = np.array([len(wl.clients[c].turns[k - 1].after_hashes) * 16 for c, k in zip(rec.client[later], rec.turn[later])])
+    assert np.all(rec.cached_tokens[later] >= np.minimum(prev, rec.prompt_tokens[later]) - 16)
+    for router in ("round-robin", "ttft"):
+        frac = fraction_of_ideal(sim.simulate(wl, router, fleet), ideal)
+        assert 0.0 < frac["hit_rate"] <= 1.0 + 1e-9 and 0.0 < frac["ttft_p90"]
