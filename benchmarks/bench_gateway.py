@@ -243,7 +243,7 @@ def table(over: list[dict[str, Any]], rate: list[dict[str, Any]], chats: list[di
              "Added latency per request (1 engine, chat API, 600-token prompts, one request at a time; TTFT "
              "through the gateway minus direct TTFT, mean of the two direct runs):", "",
              "| target | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | errors |", "|---|---|---|---|---|---|"]
-    directs = [r for r in over if r["label"].startswith("direct")]
+    directs = [r for r in over if r["label"].startswith("direct")] or [{"ttft_p50": 0.0, "ttft_p99": 0.0}]
     d50 = sum(r["ttft_p50"] for r in directs) / len(directs)
     d99 = sum(r["ttft_p99"] for r in directs) / len(directs)
     for r in over:
@@ -285,6 +285,8 @@ def main() -> int:
     p.add_argument("--overhead-requests", type=int, default=400)
     p.add_argument("--rate-requests", type=int, default=2000)
     p.add_argument("--chat-duration", type=float, default=60.0)
+    p.add_argument("--only", choices=("overhead", "rate", "chat"), action="append", default=None,
+                   help="run only these measurements (repeatable)")
     p.add_argument("--write", default=None, metavar="MD", help="put the table into this markdown file")
     p.add_argument("--json", default=None, metavar="PATH", help="raw summaries")
     p.add_argument("--logdir", default=None)
@@ -295,9 +297,10 @@ def main() -> int:
     os.makedirs(args.logdir, exist_ok=True)
     peers = {} if args.no_peers else find_peers(args.peers_venv)
     print(f"peers: {peers or 'none found'}; logs in {args.logdir}", file=sys.stderr)
-    over = overhead(args, peers)
-    rate = max_rate(args, peers)
-    chats = chat(args, peers)
+    only = set(args.only or ("overhead", "rate", "chat"))
+    over = overhead(args, peers) if "overhead" in only else []
+    rate = max_rate(args, peers) if "rate" in only else []
+    chats = chat(args, peers) if "chat" in only else []
     cmd = "python benchmarks/bench_gateway.py " + " ".join(sys.argv[1:])
     block = table(over, rate, chats, cmd.strip())
     print(block)
