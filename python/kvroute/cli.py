@@ -26,6 +26,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     from . import sim
     from .sim import report
+    from .sim.ideal import fraction_of_ideal, fraction_text, simulate_ideal
 
     name, *rest = args.workload
     if name not in sim.WORKLOADS:
@@ -46,6 +47,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         rate = sim.SWEEP_SHARED_PREFIX_RATE  # a sweep scales arrivals: all-at-once has none to scale
     workload = sim.build_workload(name, path=path, replicas=args.replicas, seed=args.seed,
                                   time_scale=args.time_scale, rate=rate)
+    if args.scenario:
+        return _run_scenario(args, workload, fleet, specs)
     if args.sweep:
         return _sweep(args, workload, specs, fleet)
     results = []
@@ -71,14 +74,44 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     }
     if args.plot:
         report.plot(results, args.plot, f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge}")
+    ideal = None if args.no_ideal else simulate_ideal(workload, fleet)
     if args.json:
-        print(json.dumps(report.as_json(results, **context), indent=2))
+        out = report.as_json(results, **context)
+        if ideal is not None:
+            out["ideal"] = ideal.as_dict()
+            for r, res in zip(out["results"], results):
+                r["fraction_of_ideal"] = fraction_of_ideal(res, ideal)
+        print(json.dumps(out, indent=2))
     else:
         print(f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge} knowledge "
               f"({kvroute.implementation} implementation)")
-        print(report.text_table(results))
+        print(report.text_table(results + ([ideal] if ideal is not None else [])))
+        if ideal is not None:
+            print(fraction_text(results, ideal))
         if args.plot:
             print(f"per-replica prefill seconds: {args.plot}")
+    return 0
+
+
+def _run_scenario(args: argparse.Namespace, workload: object, fleet: object, specs: list) -> int:
+    import json
+
+    from .sim import scenarios
+
+    sc = scenarios.parse(args.scenario)
+    rows = []
+    for spec in specs:
+        res = scenarios.simulate_scenario(workload, spec, fleet, sc,  # type: ignore[arg-type]
+                                          slow_start_s=args.slow_start)
+        rows.append((res, scenarios.measure_recovery(res, sc, fleet.replicas)))  # type: ignore[attr-defined]
+    if args.json:
+        print(json.dumps({"scenario": sc.__dict__, "results": [{**res.as_dict(), "recovery": r.as_dict()}
+                                                               for res, r in rows]}, indent=2))
+    else:
+        what = (f"{sc.add} replicas join at {sc.at_s:g} s" if sc.kind == "scale-out"
+                else f"every replica restarts at {sc.at_s:g} s")
+        print(f"{workload.description}; {fleet.replicas} replicas, {what} (60 s windows)")  # type: ignore[attr-defined]
+        print(scenarios.recovery_text(rows))
     return 0
 
 
@@ -188,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--plot", metavar="FILE.png",
                        help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
+    p_sim.add_argument("--no-ideal", action="store_true",
+                       help="skip the ideal fleet (one shared cache, one central queue) and the fractions of it")
+    p_sim.add_argument("--scenario", default=None, metavar="KIND@T[+N]",
+                       help="deploy@300 (every replica restarts at 300 s) or scale-out@300+2 (2 replicas join): "
+                            "hit-rate recovery per router")
+    p_sim.add_argument("--slow-start", type=float, default=0.0, metavar="S",
+                       help="with --scenario scale-out: new replicas ramp in over S seconds (default 0: at once)")
     p_sim.set_defaults(func=_cmd_simulate)
     p_emu = sub.add_parser("emulate", help="run emulated vLLM engines on the engine model (kvroute.emulate)")
     _emulate_args(p_emu)

@@ -81,6 +81,11 @@ class Diagnostics:
         with self._lock:
             self._replicas.pop(name, None)
 
+    def replica_names(self) -> list[str]:
+        """The replicas with a row, in the order they joined."""
+        with self._lock:
+            return list(self._replicas)
+
     def observe(self, hashes: Any, replica: str, *, prompt_tokens: int, tokens: Any = None,
                 cached_tokens: int | None = None, request_id: Any = None, now: float | None = None) -> None:
         """A routed request: its chained block hashes, the replica it went to, its prompt

@@ -116,14 +116,14 @@ class VolatilePrefixDetector:
     block_size: the cache's block size in tokens (for the chained hashes and what the
     cache could serve). window: tokens per anchored window (32). anchor_every: one anchor
     per this many tokens on average (32). max_offset: a divergence further into the
-    prompt than this is not a volatile *prefix* (1024 tokens). max_entries: table bound
-    (65,536 entries of prefix_tokens token ids each, about 0.5 KB + 100 B: ~40 MB at
-    most). prefix_tokens: leading tokens kept per entry to find the divergence
-    (max_offset + 32). max_samples: divergences kept for the report.
+    prompt than this is not a volatile *prefix* (512 tokens). max_entries: table bound
+    (16,384). Memory: each entry ~100 B plus, shared by all the entries of one prompt, that
+    prompt's first max_offset + 32 token ids as uint32 (2.2 KB): at most ~38 MB, far less
+    when prompts hold many anchors each. max_samples: divergences kept for the report.
     """
 
     def __init__(self, block_size: int = 16, *, window: int = 32, anchor_every: int = 32,
-                 max_offset: int = 1024, max_entries: int = 65_536, max_samples: int = 5) -> None:
+                 max_offset: int = 512, max_entries: int = 16_384, max_samples: int = 5) -> None:
         for name, value, low in (("block_size", block_size, 1), ("window", window, 1),
                                  ("anchor_every", anchor_every, 1), ("max_offset", max_offset, 1),
                                  ("max_entries", max_entries, 1), ("max_samples", max_samples, 0)):
@@ -187,6 +187,7 @@ class VolatilePrefixDetector:
         found: Divergence | None = None
         run_end = -1
         run_open = True
+        head = toks[: self._prefix_tokens].astype(np.uint32)  # shared by this prompt's entries
         for off, f in zip(at.tolist(), fp.tolist()):
             if f > self._table_thr:
                 continue
@@ -195,16 +196,16 @@ class VolatilePrefixDetector:
             e = self._table.get(f)
             if e is None:
                 run_open = found is None  # new text ends the repeated run
-                self._insert(f, _Entry(idx, off, block, chain, toks[: self._prefix_tokens].copy()))
+                self._insert(f, _Entry(idx, off, block, chain, head))
                 continue
             if e.block == block and e.chain == chain or not run_open:
                 continue  # ordinary prefix reuse, or past the run
             if found is None:
-                div = _first_difference(toks[: self._prefix_tokens], e.prefix)
+                div = _first_difference(head, e.prefix)
                 if div >= min(off, self.max_offset):
                     continue  # diverges too deep to be a prefix (or not before this window)
                 found = Divergence(idx, e.prompt, div, 0)
-                sample = (toks[max(0, div - 48): div + 48].copy(), e.prefix[max(0, div - 48): div + 48].copy())
+                sample = (head[max(0, div - 48): div + 48].copy(), e.prefix[max(0, div - 48): div + 48].copy())
             run_end = off + self.window
         if found is None:
             return None

@@ -8,7 +8,9 @@ connector keeps keep-alive connections to every engine (one client library for t
 and `kvroute bench`).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (proxy.py), GET /v1/models (the
-union of the replicas'), GET /health, GET /metrics, /kvroute/replicas (admin.py).
+union of the replicas'), GET /health, GET /metrics, /kvroute/replicas (admin.py),
+GET /kvroute/diagnostics (kvroute.diagnose.Diagnostics: miss-ratio curves, volatile
+prefixes, cold/warm TTFT of the traffic routed so far).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import aiohttp
 
 from .. import Router, RouterConfig
+from ..diagnose.live import Diagnostics
 from ..tokenize import load_tokenizer
 from .admin import PREFIX, Admin
 from .asgi import HTTPError, Receive, Scope, Send, respond, respond_error
@@ -104,19 +107,22 @@ class Gateway:
         else:
             self.tokens = LocalTokens(load_tokenizer(config.tokenizer), config.max_sessions)
         self._log_file = self._open_log(config.decision_log)
+        self.diagnostics = Diagnostics(config.block_size)
         self.proxy = Proxy(self.fleet, self.metrics, self.tokens, session_header=config.session_header,
-                           retries=config.retries, decision_log=self._log_file)
+                           retries=config.retries, decision_log=self._log_file, diagnostics=self.diagnostics)
         self.admin = Admin(self.fleet)
         self.http: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         for spec in config.replicas:
             self.fleet.add(spec)
+            self.diagnostics.add_replica(spec.name)
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.proxy.handle("chat", "/v1/chat/completions", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.proxy.handle("completion", "/v1/completions", s, r, w),
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
+            ("GET", "/kvroute/diagnostics"): self._diagnostics,
         }
 
     @staticmethod
@@ -253,6 +259,14 @@ class Gateway:
             _sync(self.metrics.tokenizer_reuse, st.reused_tokens)
             _sync(self.metrics.tokenizer_encoded, st.encoded_tokens)
         await respond(send, 200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")])
+
+
+    async def _diagnostics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        live = set(self.fleet.replicas)
+        for name in self.diagnostics.replica_names():
+            if name not in live:  # removed through the admin API since
+                self.diagnostics.remove_replica(name)
+        await respond(send, 200, self.diagnostics.snapshot())
 
 
 def _sync(counter: Any, total: int) -> None:

@@ -56,7 +56,7 @@ class Proxy:
     """Handles POST /v1/chat/completions and /v1/completions."""
 
     def __init__(self, fleet: Fleet, metrics: GatewayMetrics, tokens: Any, *, session_header: str,
-                 retries: int, decision_log: Any = None) -> None:
+                 retries: int, decision_log: Any = None, diagnostics: Any = None) -> None:
         self.fleet = fleet
         self.router = fleet.router
         self.metrics = metrics
@@ -66,6 +66,7 @@ class Proxy:
         self.block_size = fleet.router.config.block_size
         self.salt = fleet.config.salt
         self.decision_log = decision_log
+        self.diagnostics = diagnostics  # kvroute.diagnose.Diagnostics, fed after each response
         self.http: aiohttp.ClientSession | None = None
 
     # -- entry ---------------------------------------------------------------------------------
@@ -185,6 +186,7 @@ class Proxy:
     async def _run(self, path: str, body: bytes, prompt: Prompt, timing: list[float], scope: Scope,
                    send: Send) -> None:
         t0 = time.perf_counter()
+        arrived = time.monotonic()
         hashes = hash_prompt(prompt.tokens, self.block_size, self.salt, prompt.lora, prompt.cache_salt, prompt.mm)
         timing.append(time.perf_counter() - t0)
         self.metrics.stage["tokenize"].observe(timing[0])
@@ -218,13 +220,19 @@ class Proxy:
                         self.metrics.failed.labels(str(e2.status)).inc()
                         await respond(send, e2.status, error_body(e2.status, str(e2), e2.param))
                         return
-            await self._stream(flight, resp, first, send)
+            first_at = time.monotonic()
+            cached = await self._stream(flight, resp, first, send)
+            if self.diagnostics is not None:  # after the last byte: off the client's path
+                self.diagnostics.observe(hashes, flight.replica.spec.name, prompt_tokens=len(prompt.tokens),
+                                         tokens=prompt.tokens, request_id=flight, now=arrived)
+                self.diagnostics.first_token(flight, cached_tokens=cached, now=first_at)
         finally:
             if resp is not None:
                 resp.close()  # a no-op after a complete read; aborts the engine's request otherwise
             self._release(flight)
 
-    async def _stream(self, f: _Flight, resp: Any, first: bytes, send: Send) -> None:
+    async def _stream(self, f: _Flight, resp: Any, first: bytes, send: Send) -> int | None:
+        """Relay the response; returns the engine's reported cached tokens, if any."""
         self.router.prefill_done(f.decision.handle)
         f.prefilled = True
         headers = _response_headers(resp)
@@ -254,6 +262,8 @@ class Proxy:
             rm.predicted.inc(f.decision.cached_tokens)
             rm.reported.inc(int(m.group(1)))
             rm.reported_requests.inc()
+            return int(m.group(1))
+        return None
 
     async def _fail(self, send: Send, e: UpstreamError) -> None:
         self.metrics.failed.labels(str(e.status)).inc()

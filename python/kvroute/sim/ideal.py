@@ -9,10 +9,12 @@ which any idle replica takes the next request. Built from the fleet model's own 
   hit on every replica, and a replica may hold more than its share while others hold
   less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
   so a request is still computed by one replica at one replica's speed.
-- Queue: requests wait in one FIFO queue; a replica takes the head whenever it has no
-  request waiting of its own and fewer than max_num_seqs running (one with no step in
-  flight first, then the fewest running, then the lowest index). No request waits behind a busy replica while another
-  has room, and no router decision is made.
+- Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
+  tokens it has yet to compute (waiting, or running before their first token) are fewer
+  than one step's token budget (max_num_batched_tokens) and it runs fewer than
+  max_num_seqs: the one with the fewest such tokens, then one with no step in flight,
+  then the lowest index. No request queues behind a replica's prefill while another
+  replica has room in its next step, and no router decision is made.
 
 Not a strict bound on every run: LRU is not optimal, so splitting the cache can, rarely,
 keep a block one pooled LRU evicts, and a queue reordered by cache could beat FIFO on
@@ -47,6 +49,8 @@ class _PooledEngine(Engine):
     """An Engine whose KV block pool (blocks, hashes, free queue, cache) is shared with
     the other engines built on the same `pool` engine."""
 
+    _shared: _Counters
+
     def __init__(self, config: EngineConfig, pool: _PooledEngine | None = None) -> None:
         self._shared = pool._shared if pool is not None else _Counters()
         super().__init__(config)
@@ -71,6 +75,12 @@ class _PooledEngine(Engine):
     def _n_evictions(self, value: int) -> None:
         self._shared.evictions = value
 
+    def pending_prefill(self) -> int:
+        """Prompt tokens not yet computed, of running requests before their first token and
+        of waiting requests (as of the end of the step in flight)."""
+        return (sum(r.num_tokens - r.computed for r in self._running if r.out == 0)
+                + sum(r.num_tokens - r.computed for r in self._waiting))
+
     def reset_prefix_cache(self) -> bool:
         """Not supported on a shared pool (it would replace the shared hash table)."""
         raise NotImplementedError("the ideal fleet's shared cache is never reset")
@@ -85,7 +95,8 @@ class _IdealRun(_Run):
         one = fleet.engine_config(workload.block_tokens)
         cfg = EngineConfig(**{**one.__dict__, "num_kv_blocks": one.num_kv_blocks * n})
         first = _PooledEngine(cfg)
-        self.engines = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        self.pooled = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        self.engines = list(self.pooled)
         self.central: deque[tuple[int, _Request]] = deque()
 
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
@@ -101,14 +112,14 @@ class _IdealRun(_Run):
     def _dispatch(self, now: float) -> None:
         central = self.central
         limit = self.fleet.max_num_seqs
+        budget = self.fleet.max_num_batched_tokens
         while central:
-            # An engine's state is its in-flight step's end: prefer replicas with no step
-            # in flight, then the fewest running, then the lowest index.
-            best, best_key = -1, (2, limit)
-            for r, eng in enumerate(self.engines):
-                waiting, running, _ = eng.load()
-                key = (int(self.busy[r]), running)
-                if waiting == 0 and running < limit and key < best_key:
+            # A replica is idle for prefill while its next step's token budget is not
+            # claimed by prompts it has yet to compute: the least claimed takes the head.
+            best, best_key = -1, (budget, 0)
+            for r, eng in enumerate(self.pooled):
+                key = (eng.pending_prefill(), int(self.busy[r]))
+                if key < best_key and len(eng._running) < limit:
                     best, best_key = r, key
             if best < 0:
                 return
@@ -151,4 +162,17 @@ def fraction_of_ideal(result: SimResult, ideal: SimResult) -> dict[str, float]:
     return out
 
 
-__all__ = ["fraction_of_ideal", "simulate_ideal"]
+def fraction_text(results: list[SimResult], ideal: SimResult) -> str:
+    """One line: each router's hit rate and p90 TTFT as fractions of the ideal's."""
+    cells = []
+    for res in results:
+        f = fraction_of_ideal(res, ideal)
+        cells.append(f"{res.router} {_pct(f['hit_rate'])} / {_pct(f['ttft_p90'])}")
+    return "fraction of the ideal (hit rate / p90 TTFT): " + ", ".join(cells)
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.0%}"
+
+
+__all__ = ["fraction_of_ideal", "fraction_text", "simulate_ideal"]
