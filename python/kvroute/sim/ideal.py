@@ -27,6 +27,7 @@ TTFT / p90 TTFT (1.0 = as fast as the ideal), goodput / ideal goodput when measu
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -105,9 +106,25 @@ class _IdealRun(_Run):
         self.central.append((len(self.requests) - 1, req))
         self._dispatch(now)
 
+    def _start_step(self, r: int, now: float) -> None:
+        eng = self.engines[r]
+        res = eng.run_decodes(now, self._horizon(now))
+        if res is None:
+            res = eng.step(now)
+        if not res.scheduled and not res.outputs and res.steps == 1:
+            # Nothing fits: its waiting head needs blocks other replicas hold in the
+            # shared pool. It parks until another replica's step ends (_wake).
+            self.busy[r] = False
+            return
+        self.busy[r] = True
+        heapq.heappush(self.events, (res.end, self._next(), r, res))
+
     def _step_end(self, r: int, res: Any, now: float) -> None:
         super()._step_end(r, res, now)
         self._dispatch(now)
+        for other, eng in enumerate(self.engines):  # _wake: blocks may have been freed
+            if other != r and not self.busy[other] and eng.has_work():
+                self._start_step(other, now)
 
     def _dispatch(self, now: float) -> None:
         central = self.central
