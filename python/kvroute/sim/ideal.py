@@ -108,7 +108,10 @@ class _IdealRun(_Run):
 
     def _start_step(self, r: int, now: float) -> None:
         eng = self.engines[r]
-        res = eng.run_decodes(now, self._horizon(now))
+        # A decode stretch applies its whole effect (blocks freed at its end) at its start:
+        # while a replica waits for blocks, step one at a time so it sees them when freed.
+        parked = any(not b and e.has_work() for b, e in zip(self.busy, self.engines) if e is not eng)
+        res = None if parked else eng.run_decodes(now, self._horizon(now))
         if res is None:
             res = eng.step(now)
         if not res.scheduled and not res.outputs and res.steps == 1:
@@ -120,11 +123,13 @@ class _IdealRun(_Run):
         heapq.heappush(self.events, (res.end, self._next(), r, res))
 
     def _step_end(self, r: int, res: Any, now: float) -> None:
-        super()._step_end(r, res, now)
-        self._dispatch(now)
-        for other, eng in enumerate(self.engines):  # _wake: blocks may have been freed
+        # Parked replicas first: the pool is as r's ended step left it, before r's next
+        # step (whose effects the engine applies when it starts) changes it.
+        for other, eng in enumerate(self.engines):
             if other != r and not self.busy[other] and eng.has_work():
                 self._start_step(other, now)
+        super()._step_end(r, res, now)
+        self._dispatch(now)
 
     def _dispatch(self, now: float) -> None:
         central = self.central
