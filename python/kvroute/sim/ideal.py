@@ -8,7 +8,10 @@ which any idle replica takes the next request. Built from the fleet model's own 
   free queue, one hash table, one LRU order): a block any replica computed is a prefix
   hit on every replica, and a replica may hold more than its share while others hold
   less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
-  so a request is still computed by one replica at one replica's speed.
+  so a request is still computed by one replica at one replica's speed. A replica whose
+  waiting head cannot get blocks (others hold them) waits until a step elsewhere ends,
+  and meanwhile every replica steps one at a time (no batched decode stretch, whose
+  effect the engine model applies at its start) so it gets them when they are freed.
 - Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
   tokens it has yet to compute (waiting, or running before their first token) are fewer
   than one step's token budget (max_num_batched_tokens) and it runs fewer than
