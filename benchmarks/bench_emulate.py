@@ -39,13 +39,21 @@ WARMUP = 1.0
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n consecutive free ports (kvroute emulate's events and replay ports are p and p+1)."""
+    while True:
+        socks = [socket.socket()]
+        socks[0].bind(("127.0.0.1", 0))
+        base = socks[0].getsockname()[1]
+        try:
+            for k in range(1, n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", base + k))
+            return list(range(base, base + n))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -100,7 +108,8 @@ async def _load(url: str, duration: float, concurrency: int, seed: int) -> tuple
 
 def measure(duration: float = DURATION, time_scale: float = 0.001, clients: int = CLIENTS) -> dict[str, float]:
     """Start one emulated engine, load it, return requests per wall and per CPU second."""
-    http, events = _free_ports(2)
+    http = _free_ports(1)[0]
+    events = _free_ports(2)[0]
     cmd = [sys.executable, "-m", "kvroute.cli", "emulate", "--port", str(http), "--kv-events-port", str(events),
            "--time-scale", str(time_scale)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -117,6 +126,8 @@ def measure(duration: float = DURATION, time_scale: float = 0.001, clients: int 
     finally:
         proc.terminate()
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert errors == 0
     return {"requests": done, "wall_s": t1 - t0, "engine_cpu_s": cpu1 - cpu0,
             "per_wall_s": done / (t1 - t0), "per_cpu_s": done / max(cpu1 - cpu0, 1e-9)}

@@ -85,3 +85,36 @@ def test_route_hashes_512_blocks(benchmark, impl):
     r = router(impl, 64, "precise")
     hashes = IMPLS[impl].block_hashes(PROMPT, BLOCK_SIZE)
     _bench(benchmark, impl, r, lambda: r.route_hashes(hashes, N_TOKENS), HELD)
+
+
+_sticky: dict[str, object] = {}
+
+
+def sticky_router(impl: str):
+    """A sticky router over 256 replicas x 1,024 virtual nodes (a 262,144-position ring)."""
+    if impl not in _sticky:
+        _sticky.clear()
+        r = IMPLS[impl].Router(RouterConfig(policy="sticky", params={"vnodes": 1024}))
+        for i in range(256):
+            r.add_replica(f"replica-{i}")
+        _sticky[impl] = r
+    return _sticky[impl]
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_sticky_membership_change(benchmark, impl):
+    """remove_replica + add_replica of one replica on a 262,144-position ring: the ring is
+    updated in place (native: O(vnodes log ring); reference: a merge, O(ring))."""
+    benchmark.group = "sticky: remove + add one replica, 256 replicas x 1024 vnodes"
+    r = sticky_router(impl)
+
+    def once():
+        r.remove_replica("replica-7")
+        r.add_replica("replica-7")
+
+    if impl == "native":
+        benchmark(once)
+    else:
+        benchmark.pedantic(once, rounds=5, iterations=1, warmup_rounds=1)
+    assert len(r.replicas) == 256
+    assert r.route_hashes([], 0, session="user").reason == "hash"

@@ -149,6 +149,7 @@ def emulated_run(wl: Any, spec: Any, fleet_params: Any, time_scale: float) -> di
         finally:
             asyncio.run_coroutine_threadsafe(proxy.stop(), ft.loop).result(30)
         elapsed = time.perf_counter() - started
+        counters = ft.call(lambda: [e.runner.counters.ttft for e in engines])
     finally:
         ft.stop()
     s = summarize(spec.name, results, wall)
@@ -156,4 +157,14 @@ def emulated_run(wl: Any, spec: Any, fleet_params: Any, time_scale: float) -> di
     return {"hit_rate": s.hit_rate, "ttft_p50": float(np.percentile(ttft, 50)) if ttft.size else math.nan,
             "ttft_mean": float(ttft.mean()) if ttft.size else math.nan,
             "ttft_p90": float(np.percentile(ttft, 90)) if ttft.size else math.nan,
+            "engine_ttft_mean": sum(h.total for h in counters) / max(1, sum(h.n for h in counters)),
             "requests": s.requests, "errors": s.errors, "wall_s": elapsed}
+
+
+def agreement_workload() -> Any:
+    """tests/test_emulate_agreement.py's workload: SGLang's generated shared prefix, 8
+    groups x 8 prompts of 1,024 + 1,024 tokens, 32 output tokens, Poisson 6 requests/s."""
+    from kvroute import sim
+
+    return sim.shared_prefix(sim.SharedPrefixParams(groups=8, prompts_per_group=8, system_tokens=1024,
+                                                    question_tokens=1024, output_tokens=32, rate=6.0), seed=1)

@@ -127,3 +127,18 @@ def test_bench_counts_errors_by_kind(engines, capsys):
                  "--requests", "2", "--json"]) == 0
     (res,) = json.loads(capsys.readouterr().out)["results"]
     assert res["errors_by_kind"] == {"connection": 2}
+
+
+def test_chat_turns_carry_the_servers_answers():
+    from kvroute.bench.client import conversation
+
+    wl = sim.chat(sim.ChatParams(sessions_per_replica=1, conversations_per_user=1, mean_turns=3), 1, seed=3)
+    t0, t1 = wl.clients[0].turns[:2]
+    first = conversation(t0, None, wl.block_tokens, 0)
+    assert first == prompts.chat_messages(t0, wl.block_tokens, 0)
+    second = conversation(t1, (t0, first, "the answer"), wl.block_tokens, 1)
+    assert second[:2] == [*first, {"role": "assistant", "content": "the answer"}]
+    new_text = prompts.text_prompt(t1, wl.block_tokens, 1)[t0.prompt_tokens + t0.output_tokens:]
+    assert second[2] == {"role": "user", "content": new_text} and len(second) == 3
+    # A new conversation (first turn) starts over, whatever came before.
+    assert conversation(t0, (t1, second, "x"), wl.block_tokens, 0) == first

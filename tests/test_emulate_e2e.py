@@ -148,7 +148,8 @@ def test_malformed_json_unknown_model_and_routes(fleet):
 
 
 def test_disconnect_aborts_the_engine_request():
-    """Real time and a long answer: the client leaves after the first chunk."""
+    """Real time and a long answer: the client leaves after the first chunk, or before
+    the non-streamed answer is complete."""
     ft = start_fleet(1, time_scale=1.0)
     try:
         url = ft.fleet.engines[0].url
@@ -160,6 +161,11 @@ def test_disconnect_aborts_the_engine_request():
         eventually(lambda: metrics(ft, 0)[key] == 1, "the abort")
         eventually(lambda: metrics(ft, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
         assert ft.call(lambda: ft.fleet.engines[0].runner.engine.stats()["aborted"]) == 1
+        # Not streamed: the client gives up waiting for the whole answer.
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": list(range(40)), "max_tokens": 10_000}, timeout=0.5)
+        eventually(lambda: metrics(ft, 0)[key] == 2, "the second abort")
+        eventually(lambda: metrics(ft, 0)[("vllm:num_requests_running", ())] == 0, "the engine to drain")
     finally:
         ft.stop()
 
@@ -187,19 +193,25 @@ def test_subscriber_ends_with_exactly_the_engines_blocks(fleet):
     index = kvroute.PrefixIndex(N)
     applier = EventApplier(index, 16)
     sources = [Source(i, e.events_endpoint, replay_endpoint=e.replay_endpoint) for i, e in enumerate(engines)]
-    with Subscriber(applier, sources) as sub:
-        for k in range(64):
+
+    def traffic(count):
+        for k in range(count):
             e = engines[k % N]
             prompt = rng.choice(prefixes) + [rng.randrange(6000, 7000) for _ in range(rng.randrange(1, 100))]
             r = httpx.post(e.url + "/v1/completions", json={"prompt": prompt, "max_tokens": rng.randrange(1, 40)},
                            timeout=WAIT)
             assert r.status_code == 200, r.text
+
+    traffic(8)  # published before the subscriber joins: it must replay them
+    with Subscriber(applier, sources) as sub:
+        traffic(56)
         for i, e in enumerate(engines):
             eventually(lambda: fleet.call(lambda: not e.runner.engine.has_work()), "the engine to go idle")
             last = fleet.call(lambda: e.publisher.seq) - 1
             assert sub.wait_for_seq(i, last, WAIT)
         status = sub.status()
     assert status["malformed"] == 0 and status["resyncs"] == 0
+    assert status["replays"] >= N  # every engine published before the subscriber joined
     removed = 0
     for i, e in enumerate(engines):
         events = fleet.call(lambda: list(fleet.published[i]))
@@ -245,3 +257,17 @@ def test_hugging_face_tokenizer_and_chat_template(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     finally:
         ft.stop()
+
+
+def test_a_chat_answer_sent_back_hits_its_own_blocks(fleet):
+    """The answer is the same token sequence the engine cached (the filler, re-tokenized by
+    the chat template), so the next turn's cached tokens reach past the first prompt."""
+    c = client(fleet, 2)
+    first = [{"role": "user", "content": "tell me about prefix caches " * 4}]
+    r1 = c.chat.completions.create(model=MODEL, messages=first, max_tokens=48)
+    p1 = r1.usage.prompt_tokens
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "and then?"}]
+    r2 = c.chat.completions.create(model=MODEL, messages=second, max_tokens=2)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (p1 + 32) // 16 * 16 > p1 // 16 * 16, (p1, cached)

@@ -55,6 +55,7 @@ def test_unknown_parent_event_is_counted_and_skipped(pubs):
         send(pub, sub, 0, [stored("vllm-map", [42], 777, BASE[:16], 16)])  # a parent never announced
         assert delta(sub, 0, base)["malformed"] == 0
         assert sub.status()["applier"]["unknown_parents"] == 1
+        assert sub.status()["replicas"][0]["skipped"]["unknown_parent"] == 1
         assert idx.held(0).tolist() == eng.truth()
 
 

@@ -1,11 +1,11 @@
-"""`kvroute serve` end to end on loopback with the official openai client: four engines
-(tests/fake_engine.py processes), the gateway in a thread, everything on free ports."""
+"""`kvroute serve` end to end on loopback with the official openai client and four emulated
+engines (kvroute.emulate, in a thread): chat and completions, streamed and not, sessions,
+precise mode on the engines' KV events, metrics, admin API, client disconnects."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
+import json
+import urllib.request
 
 import pytest
 
@@ -13,34 +13,30 @@ pytest.importorskip("aiohttp")
 import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread  # noqa: E402
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
-from tests.gateway_harness import Engine, GatewayThread, call, free_port, get_json, wait_until  # noqa: E402
+from kvroute.tokenize import load_tokenizer  # noqa: E402
+from tests.gateway_harness import GatewayThread, call, free_port, get_json, wait_until  # noqa: E402
 
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def engines():
-    es = [Engine(f"e{i}", chunks=4, gap=0.01).start() for i in range(4)]
-    try:
-        for e in es:
-            e.wait()
-        yield es
-    finally:
-        for e in es:
-            e.kill()
-
-
-def gateway_for(engines, **kw) -> GatewayThread:
-    specs = tuple(ReplicaSpec(e.url, name=e.name) for e in engines)
-    cfg = GatewayConfig(replicas=specs, port=free_port(), health_interval=0.1, scrape_interval=0.1,
-                        breaker_backoff=0.2, breaker_max_backoff=0.4, **kw)
-    return GatewayThread(cfg).start()
+MODEL = "kvroute-emulated"
+DOC = "The gateway routes each prompt to the replica that holds its leading KV blocks. " * 12
 
 
 @pytest.fixture(scope="module")
-def gateway(engines):
-    gw = gateway_for(engines)
+def fleet():
+    ports = [EnginePorts(free_port(), free_port(), free_port()) for _ in range(4)]
+    f = FleetThread(ports, EmulatorOptions(time_scale=0.02)).start()
+    yield f
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet, tmp_path_factory):
+    specs = tuple(ReplicaSpec.parse(f"{e.serve_args()},name=e{e.index}") for e in fleet.fleet.engines)
+    log = tmp_path_factory.mktemp("gw") / "decisions.jsonl"
+    gw = GatewayThread(GatewayConfig(replicas=specs, port=free_port(), scrape_interval=0.1, health_interval=0.2,
+                                     decision_log=str(log))).start()
+    gw.log = log
     yield gw
     gw.stop()
 
@@ -49,9 +45,11 @@ def client(gw, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, **kw)
 
 
-def metrics_of(gw) -> dict[str, dict[tuple, float]]:
-    import urllib.request
+def decisions(gw) -> list[dict]:
+    return [json.loads(x) for x in gw.log.read_text().splitlines()]
 
+
+def metrics_of(gw) -> dict[str, dict[tuple, float]]:
     text = urllib.request.urlopen(gw.url + "/metrics").read().decode()
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(text):
@@ -60,229 +58,119 @@ def metrics_of(gw) -> dict[str, dict[tuple, float]]:
     return out
 
 
+def test_precise_mode_is_the_default_and_follows_events(gateway):
+    reps = get_json(gateway.url + "/kvroute/replicas")
+    assert reps["mode"] == "precise" and all(r["knowledge"] == "events" for r in reps["replicas"])
+    c = client(gateway)
+    msgs = [{"role": "system", "content": DOC}, {"role": "user", "content": "Summarize."}]
+    first = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=4)
+    name = first.headers["x-kvroute-replica"]
+    blocks = len(load_tokenizer(None).encode_chat(msgs)) // 16
+    # the engine's BlockStored events reach the gateway's index
+    assert wait_until(lambda: {r["name"]: r for r in get_json(gateway.url + "/kvroute/replicas")["replicas"]}
+                      [name]["blocks_held"] >= blocks, 10)
+    again = c.chat.completions.with_raw_response.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert again.headers["x-kvroute-replica"] == name
+    last = decisions(gateway)[-1]
+    assert last["reason"] == "affinity" and last["cached_tokens"] == blocks * 16
+    assert again.parse().usage.prompt_tokens_details.cached_tokens == blocks * 16  # the engine agrees
+
+
 def test_chat_and_completions_streamed_and_not(gateway):
     c = client(gateway)
-    r = c.chat.completions.create(model="fake-model", messages=MESSAGES)
-    assert r.choices[0].message.content == "w0 w1 w2 w3 " and r.usage.prompt_tokens_details.cached_tokens == 5
-    parts = [ch.choices[0].delta.content for ch in c.chat.completions.create(
-        model="fake-model", messages=MESSAGES, stream=True) if ch.choices]
-    assert "".join(parts) == "w0 w1 w2 w3 "
-    r2 = c.completions.create(model="fake-model", prompt="Once upon a time")
-    assert r2.choices[0].text == "w0 w1 w2 w3 "
-    texts = [ch.choices[0].text for ch in c.completions.create(model="fake-model", prompt=[1, 2, 3], stream=True)]
-    assert "".join(texts) == "w0 w1 w2 w3 "
-    models = c.models.list()
-    assert sorted(m.id for m in models.data) == ["fake-lora", "fake-model"]
-
-
-def test_body_and_bytes_unchanged(gateway, engines):
-    """The engine's answer comes back byte for byte (compare with the engine direct)."""
-    import urllib.request
-
-    body = b'{"model":"fake-model","prompt":"x","stream":true,"stream_options":{"include_usage":true}}'
-
-    def raw(url):
-        req = urllib.request.Request(url + "/v1/completions", data=body, headers={"content-type": "application/json"})
-        with urllib.request.urlopen(req) as r:
-            return r.read(), dict(r.headers)
-
-    via, headers = raw(gateway.url)
-    direct, _ = raw(engines[0].url)
-    assert via == direct and headers["x-kvroute-replica"] in {e.name for e in engines}
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+    t = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3)
+    assert t.usage.completion_tokens == 3 and t.usage.prompt_tokens == len("Once upon a time")
+    streamed = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt=list(range(40, 80)),
+                                                                  max_tokens=3, stream=True) if ch.choices]
+    assert len("".join(streamed)) > 0
+    assert [m.id for m in c.models.list().data] == [MODEL]
 
 
 def test_sessions_stay_put(gateway):
     c = client(gateway)
-    seen = {}
+    seen: dict[str, set[str]] = {}
     for turn in range(3):
-        for s in ("alice", "bob", "carol"):
+        for s in ("alice", "bob", "carol", "dave"):
             raw = c.chat.completions.with_raw_response.create(
-                model="fake-model", messages=MESSAGES + [{"role": "user", "content": f"turn {turn}"}],
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": f"{s} asks question {turn}"}],
                 extra_headers={"X-Session-ID": s})
             seen.setdefault(s, set()).add(raw.headers["x-kvroute-replica"])
-    user = {c.completions.with_raw_response.create(model="fake-model", prompt="p", user="dave")
-            .headers["x-kvroute-replica"] for _ in range(3)}
-    assert all(len(v) == 1 for v in seen.values()) and len(user) == 1
-
-
-def test_bad_requests_name_the_field(gateway):
-    for body, field in (({"model": "m"}, "messages"), ({"messages": [{"content": "x"}]}, "messages[0]"),
-                        ({"messages": MESSAGES, "cache_salt": 3}, "cache_salt"),
-                        ({"messages": MESSAGES, "stream": "yes"}, "stream")):
-        status, obj = call("POST", gateway.url + "/v1/chat/completions", body)
-        assert status == 400 and obj["error"]["param"] == field, obj
-    status, obj = call("POST", gateway.url + "/v1/completions", {"prompt": [1, -2]})
-    assert status == 400 and obj["error"]["param"] == "prompt"
-    assert call("GET", gateway.url + "/nope")[0] == 404
+    by_user = {c.completions.with_raw_response.create(model=MODEL, prompt=f"p{i}", max_tokens=1, user="erin")
+               .headers["x-kvroute-replica"] for i in range(3)}
+    assert all(len(v) == 1 for v in seen.values()) and len(by_user) == 1
 
 
 def test_metrics_parse(gateway):
-    client(gateway).chat.completions.create(model="fake-model", messages=MESSAGES)
+    c = client(gateway)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": DOC}], max_tokens=2)
     m = metrics_of(gateway)
     assert sum(m["kvroute_requests_total"].values()) >= 1
     assert {dict(k)["stage"] for k in m["kvroute_decision_seconds_count"]} == {"tokenize", "hash", "score"}
-    assert sum(m["kvroute_reported_cached_tokens_total"].values()) >= 5
-    assert "kvroute_cache_calibration_ratio" in m and "kvroute_breaker_state" in m
-    # the engines' scraped load reached the router
-    reps = get_json(gateway.url + "/kvroute/replicas")["replicas"]
-    assert wait_until(lambda: all(r["load"]["kv_usage"] == 0.125 for r in
-                                  get_json(gateway.url + "/kvroute/replicas")["replicas"]), 5)
-    assert {r["name"] for r in reps} == {"e0", "e1", "e2", "e3"}
+    assert sum(m["kvroute_reported_usage_requests_total"].values()) >= 1
+    assert set(dict(k)["replica"] for k in m["kvroute_events_batches_total"]) == {"e0", "e1", "e2", "e3"}
+    assert "kvroute_events_lag_seconds" in m and "kvroute_breaker_state" in m
+    ratios = m.get("kvroute_cache_calibration_ratio", {})
+    assert all(v >= 0 for v in ratios.values())
+    # the engines' scraped load reaches the router
+    assert wait_until(lambda: all(r["load"]["running"] is not None
+                                  for r in get_json(gateway.url + "/kvroute/replicas")["replicas"]), 5)
 
 
-def test_client_disconnect_cancels_upstream(engines):
-    slow = Engine("slow", chunks=50, gap=0.1).start().wait()
-    gw = gateway_for([slow])
-    try:
-        c = client(gw, timeout=30)
-        stream = c.chat.completions.create(model="fake-model", messages=MESSAGES, stream=True)
-        next(iter(stream))
-        assert slow.stats()["in_flight"] == 1
-        assert gw.app.router.load("slow")["in_flight"] == 1
-        stream.close()
-        assert wait_until(lambda: slow.stats()["aborted"] == 1, 10)
-        assert wait_until(lambda: gw.app.router.load("slow")["in_flight"] == 0, 10)
-        assert slow.stats()["in_flight"] == 0 and gw.app.fleet.get("slow").in_flight == 0
-        assert wait_until(lambda: sum(metrics_of(gw)["kvroute_client_disconnects_total"].values()) == 1, 5)
-    finally:
-        gw.stop()
-        slow.kill()
+def test_client_disconnect_cancels_upstream(gateway, fleet):
+    c = client(gateway, timeout=30)
+    stream = c.completions.create(model=MODEL, prompt="a long story", max_tokens=100_000, stream=True)
+    first = next(iter(stream))
+    assert first.choices
+    engines = {f"e{e.index}": e for e in fleet.fleet.engines}
+    busy = [n for n, e in engines.items() if fleet.call(lambda e=e: len(e.runner.streams)) == 1]
+    assert len(busy) == 1
+    name = busy[0]
+    before = fleet.call(lambda: engines[name].runner.counters.aborted)
+    assert gateway.app.router.load(name)["in_flight"] == 1
+    stream.close()
+    assert wait_until(lambda: fleet.call(lambda: engines[name].runner.counters.aborted) == before + 1, 10)
+    assert wait_until(lambda: gateway.app.router.load(name)["in_flight"] == 0, 10)
+    assert fleet.call(lambda: len(engines[name].runner.streams)) == 0
+    assert wait_until(lambda: sum(metrics_of(gateway)["kvroute_client_disconnects_total"].values()) == 1, 5)
 
 
-def test_replica_killed_mid_run(engines):
-    """One engine dies while requests flow: every request succeeds (those that hit it before
-    any byte are retried elsewhere), its breaker opens, and closes once it is back."""
-    es = [Engine(f"k{i}", chunks=2, gap=0.01, ttft=0.2).start() for i in range(3)]
-    for e in es:
-        e.wait()
-    gw = gateway_for(es)
-    victim = es[0]
-    try:
-        errors: list[BaseException] = []
-        done = []
-        busy: list[int] = []
-
-        async def one(c, i):
-            try:
-                r = await c.chat.completions.create(model="fake-model", messages=MESSAGES + [
-                    {"role": "user", "content": f"q{i}"}])
-                done.append(r.choices[0].message.content)
-            except BaseException as e:  # noqa: BLE001 - collected and asserted below
-                errors.append(e)
-
-        async def run():
-            c = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
-            tasks = []
-            for i in range(60):
-                tasks.append(asyncio.ensure_future(one(c, i)))
-                if i == 20:
-                    busy.append(victim.stats()["in_flight"])  # requests before their first byte
-                    await asyncio.get_running_loop().run_in_executor(None, victim.kill)
-                await asyncio.sleep(0.005)
-            await asyncio.gather(*tasks)
-            await c.close()
-
-        asyncio.run(run())
-        assert not errors and len(done) == 60
-        m = metrics_of(gw)
-        assert m["kvroute_breaker_opened_total"][(("replica", "k0"),)] >= 1
-        assert busy[0] >= 1 and m["kvroute_retries_total"][(("replica", "k0"),)] >= busy[0]
-        assert gw.app.fleet.get("k0").breaker.state != "closed"
-        victim.start().wait()
-        assert wait_until(lambda: gw.app.fleet.get("k0").breaker.state == "closed", 10)
-        assert metrics_of(gw)["kvroute_breaker_state"][(("replica", "k0"),)] == 0
-    finally:
-        gw.stop()
-        for e in es:
-            e.kill()
-
-
-def test_retry_on_5xx_before_first_byte(engines):
-    bad = Engine("bad", fail_status=503).start().wait()
-    gw = gateway_for([bad, engines[0]], policy="round_robin")
-    try:
-        c = client(gw)
-        for _ in range(4):
-            raw = c.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
-            assert raw.headers["x-kvroute-replica"] == "e0"
-        m = metrics_of(gw)
-        assert m["kvroute_retries_total"][(("replica", "bad"),)] >= 1
-        assert bad.stats()["requests"] >= 1
-    finally:
-        gw.stop()
-        bad.kill()
-
-
-def test_admin_drain_add_remove(gateway, engines):
+def test_admin_drain_remove_add(gateway, fleet):
     url = gateway.url + "/kvroute/replicas"
     c = client(gateway)
+    e0 = fleet.fleet.engines[0]
     for name in ("e1", "e2", "e3"):
         assert call("POST", f"{url}/{name}/drain")[0] == 200
     for i in range(4):
-        raw = c.completions.with_raw_response.create(model="fake-model", prompt=f"p{i}")
+        raw = c.completions.with_raw_response.create(model=MODEL, prompt=f"drained {i}", max_tokens=1)
         assert raw.headers["x-kvroute-replica"] == "e0"
     status, obj = call("POST", f"{url}/e1/drain", {"draining": False})
     assert status == 200 and obj["draining"] is False
-    assert call("DELETE", f"{url}/e0")[0] == 200
-    assert call("DELETE", f"{url}/e0")[0] == 404
-    names = {r["name"] for r in get_json(url)["replicas"]}
-    assert names == {"e1", "e2", "e3"}
+    assert call("DELETE", f"{url}/e0")[0] == 200 and call("DELETE", f"{url}/e0")[0] == 404
+    assert {r["name"] for r in get_json(url)["replicas"]} == {"e1", "e2", "e3"}
     for i in range(4):
-        raw = c.completions.with_raw_response.create(model="fake-model", prompt=f"q{i}")
+        raw = c.completions.with_raw_response.create(model=MODEL, prompt=f"removed {i}", max_tokens=1)
         assert raw.headers["x-kvroute-replica"] == "e1"
-    status, obj = call("POST", url, {"url": engines[0].url, "name": "e0"})
-    assert status == 201 and obj["name"] == "e0" and obj["health"] == "closed"
-    assert call("POST", url, {"url": engines[0].url, "name": "e0"})[0] == 409
+    status, obj = call("POST", url, {"url": e0.url, "name": "e0", "events": e0.events_endpoint,
+                                     "replay": e0.replay_endpoint})
+    assert status == 201 and obj["knowledge"] == "events" and obj["health"] == "closed"
+    assert call("POST", url, {"url": e0.url, "name": "e0"})[0] == 409
     status, obj = call("POST", url, {"url": "ftp://x", "name": "z"})
     assert status == 400 and obj["error"]["param"] == "url"
     for name in ("e2", "e3"):
         call("POST", f"{url}/{name}/drain", {"draining": False})
 
 
-def test_graceful_shutdown_drains(engines):
-    slow = Engine("drain", chunks=10, gap=0.05).start().wait()
-    gw = gateway_for([slow])
-    try:
-        c = client(gw, timeout=30)
-        stream = c.completions.create(model="fake-model", prompt="x", stream=True)
-        it = iter(stream)
-        texts = [next(it).choices[0].text]
-        stopper = threading.Thread(target=gw.stop)
-        stopper.start()  # what SIGTERM does: stop accepting, let requests in flight finish
-        assert wait_until(lambda: not _accepts(gw.config.port), 5)
-        texts += [ch.choices[0].text for ch in it]
-        stopper.join(30)
-        assert "".join(texts) == "".join(f"w{i} " for i in range(10))
-        assert slow.stats()["completed"] == 1 and slow.stats()["aborted"] == 0
-        assert not gw.thread.is_alive() and gw.app.http is None  # lifespan shutdown closed the pool
-    finally:
-        gw.stop()
-        slow.kill()
-
-
-def _accepts(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def test_cache_keys_separate_lora_and_salt(engines, tmp_path):
-    """LoRA adapters (learned from /v1/models) and cache_salt give distinct chains: a prompt
-    routed before matches itself, not the same prompt under another adapter or salt."""
-    import json
-
-    log = tmp_path / "decisions.jsonl"
-    gw = gateway_for(engines[:1], decision_log=str(log))
-    try:
-        assert wait_until(lambda: "fake-lora" in gw.app.fleet.lora_models, 5)
-        c = client(gw)
-        long = [{"role": "user", "content": "a question long enough to fill several blocks " * 4}]
-        for kw in ({}, {}, {"model": "fake-lora"}, {"extra_body": {"cache_salt": "tenant"}}):
-            c.chat.completions.create(messages=long, **{"model": "fake-model", **kw})
-        lines = [json.loads(x) for x in log.read_text().splitlines()]
-        assert [x["cached_tokens"] > 0 for x in lines] == [False, True, False, False]
-        assert lines[2]["lora"] == "fake-lora" and lines[0]["lora"] is None
-    finally:
-        gw.stop()
+def test_bad_requests_name_the_field(gateway):
+    for body, field in (({"model": MODEL}, "messages"), ({"messages": [{"content": "x"}]}, "messages[0]"),
+                        ({"messages": [{"role": "user", "content": "x"}], "cache_salt": 3}, "cache_salt")):
+        status, obj = call("POST", gateway.url + "/v1/chat/completions", body)
+        assert status == 400 and obj["error"]["param"] == field, obj
+    status, obj = call("POST", gateway.url + "/v1/completions", {"prompt": [1, -2]})
+    assert status == 400 and obj["error"]["param"] == "prompt"
+    assert call("GET", gateway.url + "/nope")[0] == 404

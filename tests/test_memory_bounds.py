@@ -64,7 +64,6 @@ def test_session_flood_stays_within_max_sessions(impl):
         assert router.stats()["sessions"] <= 300
 
 
-@pytest.mark.xfail(strict=True, reason="session id bytes bounded on branch router (max_session_bytes)")
 def test_session_id_bytes_stay_within_max_session_bytes(impl):
     limit = 1 * MIB
     cfg = RouterConfig(policy="ttft", block_size=16, max_session_bytes=limit)
@@ -80,7 +79,6 @@ def test_session_id_bytes_stay_within_max_session_bytes(impl):
     assert rss() - before < 16 * MIB
 
 
-@pytest.mark.xfail(strict=True, reason="requests never finished expire after request_ttl on branch router")
 def test_leaked_handles_expire_after_request_ttl(impl):
     cfg = RouterConfig(policy="ttft", block_size=16, request_ttl=5.0)
     router = impl.Router(cfg, ["a", "b"])
@@ -100,7 +98,6 @@ def _stored_event_flood(M, n: int):
     return index, applier
 
 
-@pytest.mark.xfail(strict=True, reason="event maps follow index evictions on branch applier")
 def test_stored_event_flood_maps_follow_index_capacity(impl):
     index, applier = _stored_event_flood(impl, 3000)
     st = applier.replica_stats(0)

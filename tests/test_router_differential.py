@@ -220,3 +220,11 @@ class RouterPair(RuleBasedStateMachine):
 
 
 TestRouterDifferential = RouterPair.TestCase
+
+
+def test_every_policy_has_a_twin_in_both():
+    from kvroute.reference.policies import POLICIES
+
+    assert list(POLICIES) == list(POLICY_PARAMS)
+    for policy in POLICY_PARAMS:  # the native factory knows every name (else ValueError)
+        assert NATIVE.Router(RouterConfig(policy=policy), ["a"]).route_hashes([1], 16).replica == "a"

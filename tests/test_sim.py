@@ -399,11 +399,11 @@ def test_cli_errors(argv, message, capsys):
 
 @pytest.fixture(scope="module")
 def chat_results():
-    # The default chat workload's users and sessions on 8 replicas, 2 conversations each
-    # instead of 4 (half the run time; the pattern is the same: docs/results.md has the full one).
-    wl = sim.chat(sim.ChatParams(conversations_per_user=2), 8, seed=0)
+    # The default chat workload on 4 replicas instead of 8 (half the run time; the same
+    # pattern: docs/results.md has the 8-replica run).
+    wl = sim.build_workload("chat", replicas=4)
     return {r.router: r.metrics for r in sim.compare(wl, ["round-robin", "sticky", "cache-aware"],
-                                                     sim.fleet_for("chat"))}
+                                                     sim.fleet_for("chat", replicas=4))}
 
 
 def test_round_robin_throws_the_cache_away(chat_results):
@@ -414,13 +414,13 @@ def test_round_robin_throws_the_cache_away(chat_results):
 
 def test_sticky_buys_locality_with_balance(chat_results):
     m = chat_results["sticky"]
-    assert 0.3 <= m.hit_rate <= 0.55
+    assert 0.3 <= m.hit_rate <= 0.6
     assert m.busiest_over_mean >= 1.4
 
 
 def test_cache_aware_keeps_locality_and_balance(chat_results):
     m = chat_results["cache-aware"]
-    assert 0.25 <= m.hit_rate <= 0.55
+    assert 0.25 <= m.hit_rate <= 0.6
     assert m.busiest_over_mean <= 1.15
     assert m.ttft_p90 < min(chat_results["round-robin"].ttft_p90, chat_results["sticky"].ttft_p90)
 

@@ -153,9 +153,8 @@ py::object opt_int(const std::optional<std::int64_t>& v) {
     return v ? py::object(py::int_(*v)) : py::object(py::none());
 }
 
-}  // namespace
 
-void register_router(py::module_& m) {
+void register_decision(py::module_& m) {
     py::class_<Decision>(m, "Decision", "Where a request goes and why; `handle` is for prefill_done() and finish().")
         .def_readonly("replica", &Decision::replica, "Name of the chosen replica.")
         .def_readonly("replica_id", &Decision::replica_id, "Dense id of the chosen replica.")
@@ -189,29 +188,10 @@ void register_router(py::module_& m) {
                    ", handle=" + std::to_string(d.handle) + ")";
         });
 
-    py::class_<PyRouter>(m, "Router",
-                         "Chooses a replica per request by KV-cache affinity versus load (see "
-                         "kvroute.reference.router for the contract).")
-        .def(py::init([](py::object config, py::object replicas) {
-                 config = py::module_::import("kvroute.config").attr("validated")(config);
-                 auto r = std::make_unique<PyRouter>();
-                 r->core = std::make_shared<Router>(options_from(config));
-                 r->config = config;
-                 if (PyUnicode_Check(replicas.ptr()) || PyBytes_Check(replicas.ptr()))
-                     throw TypeError("replicas must be an iterable of names, got a single str");
-                 for (py::handle name : py::iter(replicas)) r->core->add_replica(name_arg(name));
-                 return r;
-             }),
-             py::arg("config") = py::none(), py::arg("replicas") = py::tuple())
-        .def_property_readonly("config", [](const PyRouter& r) { return r.config; },
-                               "The RouterConfig this router was built with.")
-        .def_property_readonly("index", [](const PyRouter& r) { return r.core->index(); },
-                               "The prefix index routing reads; events feed it.")
-        .def_property_readonly("speculative_index",
-                               [](const PyRouter& r) { return r.core->speculative_index(); },
-                               "Hybrid mode's short-TTL index of route-time insertions, else None.")
-        .def_property_readonly("replicas", [](const PyRouter& r) { return r.core->replicas(); },
-                               "Names of the replicas, in id order (removed ones left out).")
+}
+
+void def_fleet(py::class_<PyRouter>& cls) {
+    cls
         .def("replica_id", [](const PyRouter& r, py::handle name) { return r.core->replica_id(name_arg(name)); },
              py::arg("name"), "The dense id of a replica (its id in router.index).")
         .def("add_replica",
@@ -246,7 +226,11 @@ void register_router(py::module_& m) {
                  r.core->replica_id(n);
                  r.core->set_healthy(n, flag_arg("healthy", healthy));
              },
-             py::arg("name"), py::arg("healthy"), "Mark a replica healthy or not; an unhealthy replica is never chosen.")
+             py::arg("name"), py::arg("healthy"), "Mark a replica healthy or not; an unhealthy replica is never chosen.");
+}
+
+void def_load(py::class_<PyRouter>& cls) {
+    cls
         .def("report_load",
              [](PyRouter& r, py::handle name, py::handle waiting, py::handle running, py::handle kv_usage) {
                  const std::string n = name_arg(name);
@@ -305,17 +289,26 @@ void register_router(py::module_& m) {
                  d["replicas"] = s.replicas;
                  return d;
              },
-             "Counters: decisions, tokens, rebinds, sessions, requests in flight.")
+             "Counters: decisions, tokens, rebinds, sessions, requests in flight.");
+}
+
+void def_routing(py::class_<PyRouter>& cls) {
+    cls
         .def("route",
-             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now) {
+             [](PyRouter& r, py::handle tokens, py::handle session, py::handle now, py::handle lora,
+                py::handle cache_salt, py::handle mm) {
                  TokenView view = tokens_as_uint32(tokens);
+                 const RequestKeys keys = request_keys(lora, cache_salt, mm);
                  const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
+                 const CacheKeys k{keys.lora, keys.cache_salt, keys.mm.data(), keys.mm.size()};
                  py::gil_scoped_release release;  // hashing and the index walk loop over the prompt
-                 return r.core->route_tokens(view.data(), view.size(), s, t);
+                 return r.core->route_tokens(view.data(), view.size(), k, s, t);
              },
              py::arg("tokens"), py::kw_only(), py::arg("session") = py::none(), py::arg("now") = py::none(),
-             "Route a prompt of token ids (hashed with config.block_size and config.salt).")
+             py::arg("lora") = py::none(), py::arg("cache_salt") = py::none(), py::arg("mm") = py::none(),
+             "Route a prompt of token ids, hashed with config.block_size and config.salt and the request's "
+             "cache keys (lora, cache_salt, mm: as block_hashes takes them).")
         .def("route_hashes",
              [](PyRouter& r, py::handle hashes, py::handle num_tokens, py::handle session, py::handle now) {
                  HashView view = as_hashes(hashes, "hashes");
@@ -347,6 +340,38 @@ void register_router(py::module_& m) {
              },
              py::arg("handle"), py::arg("now") = py::none(),
              "The request ended (completed, failed or cancelled): release its load.");
+}
+
+}  // namespace
+
+void register_router(py::module_& m) {
+    register_decision(m);
+    py::class_<PyRouter> cls(m, "Router",
+                         "Chooses a replica per request by KV-cache affinity versus load (see "
+                         "kvroute.reference.router for the contract).");
+    cls.def(py::init([](py::object config, py::object replicas) {
+                 config = py::module_::import("kvroute.config").attr("validated")(config);
+                 auto r = std::make_unique<PyRouter>();
+                 r->core = std::make_shared<Router>(options_from(config));
+                 r->config = config;
+                 if (PyUnicode_Check(replicas.ptr()) || PyBytes_Check(replicas.ptr()))
+                     throw TypeError("replicas must be an iterable of names, got a single str");
+                 for (py::handle name : py::iter(replicas)) r->core->add_replica(name_arg(name));
+                 return r;
+             }),
+             py::arg("config") = py::none(), py::arg("replicas") = py::tuple())
+        .def_property_readonly("config", [](const PyRouter& r) { return r.config; },
+                               "The RouterConfig this router runs with (kvroute.config.validated of the one given).")
+        .def_property_readonly("index", [](const PyRouter& r) { return r.core->index(); },
+                               "The prefix index routing reads; events feed it.")
+        .def_property_readonly("speculative_index",
+                               [](const PyRouter& r) { return r.core->speculative_index(); },
+                               "Hybrid mode's short-TTL index of route-time insertions, else None.")
+        .def_property_readonly("replicas", [](const PyRouter& r) { return r.core->replicas(); },
+                               "Names of the replicas, in id order (removed ones left out).");
+    def_fleet(cls);
+    def_load(cls);
+    def_routing(cls);
 }
 
 }  // namespace kvroute::bindings

@@ -27,32 +27,35 @@ struct OwnedMm {
     std::uint64_t offset = 0;
 };
 
-/// What only pages that end inside a router block (or span one) need: the tokens and items after
-/// the last router-block boundary, and the later pages whose first router block spans this one.
+/// What only pages that start or end inside a router block need: their place in the prompt and
+/// parent (to walk the pages a router block spans), the tokens and items after their last
+/// router-block boundary, and the later pages whose first router block spans them.
 struct Extra {
+    std::uint64_t start = 0, parent = 0;
+    std::uint32_t lead = 0;
+    bool has_parent = false;
     std::vector<std::uint32_t> tail;
     std::vector<OwnedMm> tail_mm;
     std::vector<std::uint64_t> dependents;
 };
 
-/// One engine block (engine hash, group) of one replica; see the reference's _Entry.
+/// One engine block (engine hash, group) of one replica; see the reference's _Entry. Kept small
+/// (the per-block table is the hot path): what pages need lives in `extra`.
 struct Entry {
-    std::uint64_t key = 0, parent = 0;
-    std::uint64_t start = 0, end = 0;  // token positions in the prompt
-    std::uint64_t seed = 0;            // chain hash at the last boundary <= end
-    std::uint64_t seq = 0;             // store recency (map bound)
-    std::uint64_t media = 0;           // bit per medium id
+    std::uint64_t end = 0;   // token position after it in the prompt
+    std::uint64_t seed = 0;  // chain hash at the last boundary <= end
+    std::uint64_t seq = 0;   // store recency (map bound)
+    std::uint64_t media = 0; // bit per medium id
     std::uint64_t kv0 = 0;
     std::unique_ptr<std::uint64_t[]> more;  // kv[1..n_kv)
     std::unique_ptr<Extra> extra;
-    std::uint32_t n_kv = 0, lead = 0;
-    bool has_parent = false, dep = false;
+    std::uint32_t n_kv = 0;
+    bool dep = false;           // kv[0] spans earlier pages (extra->lead > 0)
     std::uint8_t first_ok = 0;  // bit t: kv[0] counted in tier t
 
     std::uint64_t kv(std::uint32_t i) const noexcept { return i == 0 ? kv0 : more[i - 1]; }
     bool has_tier(int t) const noexcept { return (media & kTierMask[t]) != 0; }
     bool first_counted(int t) const noexcept { return !dep || ((first_ok >> t) & 1); }
-    std::size_t tail_size() const noexcept { return extra ? extra->tail.size() : 0; }
 };
 
 struct GroupState {
@@ -64,7 +67,7 @@ struct GroupState {
 };
 
 struct ReplicaState {
-    std::vector<std::unique_ptr<GroupState>> groups;  // by group id
+    std::vector<std::unique_ptr<GroupState>> groups;  // by group id; live where group_mask has its bit
     std::uint64_t group_mask = 0;
     std::optional<std::string> salt;  // set_salt(): this replica's own salt and chain root
     std::uint64_t root = 0;
@@ -223,7 +226,7 @@ struct EventApplier::Impl {
             // A replica's index holds the blocks every group holds; a new group holds none.
             if (st.group_mask != 0) clear_indexes(r);
             if (st.groups.size() <= gid) st.groups.resize(gid + 1);
-            st.groups[gid] = std::make_unique<GroupState>();
+            if (!st.groups[gid]) st.groups[gid] = std::make_unique<GroupState>();  // else reset by drop_groups
             st.group_mask |= std::uint64_t{1} << gid;
         }
         return *st.groups[gid];
@@ -295,7 +298,7 @@ struct EventApplier::Impl {
             if (inserted) {
                 const std::size_t mm_begin = mm_next;
                 while (mm_next < keys.mm.size() && keys.mm[mm_next].block == j) ++mm_next;
-                new_entry(*e, hs[j], j == 0 ? has_parent : true, j == 0 ? parent : hs[j - 1],
+                new_entry(*e, j == 0 ? has_parent : true, j == 0 ? parent : hs[j - 1],
                           tokens + j * size, size, mm_begin, mm_next);
             } else {
                 while (mm_next < keys.mm.size() && keys.mm[mm_next].block == j) ++mm_next;
@@ -307,7 +310,7 @@ struct EventApplier::Impl {
             } else {
                 const bool held = e->has_tier(t);
                 e->media |= bit;
-                if (!held) hold(g, *e, t);
+                if (!held) hold(g, hs[j], *e, t);
                 ++c.stored_blocks;
             }
             all_counted = all_counted && e->first_counted(t);
@@ -322,7 +325,7 @@ struct EventApplier::Impl {
 
     /// Fills a new entry from the chain state `cs` and its tokens; the keys.mm[mm_begin,
     /// mm_end) are the multimodal keys of its block.
-    void new_entry(Entry& e, std::uint64_t key, bool has_parent, std::uint64_t parent, const std::uint32_t* tokens,
+    void new_entry(Entry& e, bool has_parent, std::uint64_t parent, const std::uint32_t* tokens,
                    std::uint64_t size, std::size_t mm_begin, std::size_t mm_end) {
         const std::size_t bs = block_size;
         const std::size_t lead = cs.tail.size();
@@ -345,12 +348,7 @@ struct EventApplier::Impl {
         if (kvbuf.size() < nkv) kvbuf.resize(nkv);
         if (items.empty()) chain_hashes(data, nkv * bs, bs, cs.seed, kvbuf.data());
         else chain_hashes_keyed(data, nkv * bs, bs, cs.seed, b, items.data(), items.size(), kvbuf.data());
-        e.key = key;
-        e.has_parent = has_parent;
-        e.parent = parent;
-        e.start = cs.pos;
         e.end = cs.pos + size;
-        e.lead = static_cast<std::uint32_t>(lead);
         e.n_kv = static_cast<std::uint32_t>(nkv);
         e.dep = lead > 0 && nkv > 0;
         e.seed = nkv ? kvbuf[nkv - 1] : cs.seed;
@@ -360,8 +358,13 @@ struct EventApplier::Impl {
             std::copy(kvbuf.begin() + 1, kvbuf.begin() + static_cast<std::ptrdiff_t>(nkv), e.more.get());
         }
         const std::uint64_t next_b = b + nkv * bs;
-        if (total > nkv * bs || std::any_of(items.begin(), items.end(), [&](const MmKey& it) { return it.offset >= next_b; })) {
+        const bool carried = std::any_of(items.begin(), items.end(), [&](const MmKey& it) { return it.offset >= next_b; });
+        if (lead > 0 || total > nkv * bs || carried) {
             e.extra = std::make_unique<Extra>();
+            e.extra->start = cs.pos;
+            e.extra->lead = static_cast<std::uint32_t>(lead);
+            e.extra->has_parent = has_parent;
+            e.extra->parent = parent;
             e.extra->tail.assign(data + nkv * bs, data + total);
             for (const MmKey& it : items)
                 if (it.offset >= next_b) e.extra->tail_mm.push_back(OwnedMm{std::string(it.id), it.offset});
@@ -371,22 +374,20 @@ struct EventApplier::Impl {
     /// The earlier pages e's first router block spans, into `span` (nullptr where broken).
     void walk_span(GroupState& g, const Entry& e) {
         span.clear();
-        const std::uint64_t b = e.start - e.lead;
-        std::uint64_t start = e.start;
-        bool has = e.has_parent;
-        std::uint64_t parent = e.parent;
-        while (start > b) {
-            Entry* p = has ? g.entries.find(parent) : nullptr;
+        // Every page a router block spans, but the last one's start, lies inside it, so each
+        // has an `extra` (it starts, or ends, off a boundary); e itself is dep, so has one.
+        const Extra* x = e.extra.get();
+        const std::uint64_t b = x->start - x->lead;
+        while (x && x->start > b) {
+            Entry* p = x->has_parent ? g.entries.find(x->parent) : nullptr;
             span.push_back(p);
             if (!p) break;
-            start = p->start;
-            has = p->has_parent;
-            parent = p->parent;
+            x = p->extra.get();
         }
     }
 
     /// e gained tier t: count its router blocks there (kv[0] only if all its pages are).
-    void hold(GroupState& g, Entry& e, int t) {
+    void hold(GroupState& g, std::uint64_t key, Entry& e, int t) {
         if (e.dep) {
             walk_span(g, e);
             const bool ok = std::all_of(span.begin(), span.end(), [&](const Entry* a) { return a && a->has_tier(t); });
@@ -395,7 +396,7 @@ struct EventApplier::Impl {
                 for (Entry* a : span) {
                     if (!a->extra) a->extra = std::make_unique<Extra>();
                     auto& deps = a->extra->dependents;  // a's loss must uncount e's first block
-                    if (std::find(deps.begin(), deps.end(), e.key) == deps.end()) deps.push_back(e.key);
+                    if (std::find(deps.begin(), deps.end(), key) == deps.end()) deps.push_back(key);
                 }
             } else {
                 e.first_ok &= static_cast<std::uint8_t>(~(1u << t));
@@ -556,9 +557,23 @@ struct EventApplier::Impl {
     }
 
     void clear(std::int64_t r, ReplicaState& st) {
-        st.groups.clear();
-        st.group_mask = 0;
+        drop_groups(st);
         clear_indexes(r);
+    }
+
+    /// Forgets every group; their tables keep their slots, since an engine that cleared its
+    /// cache refills it (and a fresh table would grow and rehash all over again).
+    static void drop_groups(ReplicaState& st) {
+        for (auto& g : st.groups) {
+            if (!g) continue;
+            g->entries.clear();
+            g->refs[0].clear();
+            g->refs[1].clear();
+            g->dead.clear();
+            g->order.clear();
+            g->engine_block_size.reset();
+        }
+        st.group_mask = 0;
     }
 
     void clear_indexes(std::int64_t r) {
@@ -571,8 +586,7 @@ struct EventApplier::Impl {
 
     /// An index refused r midway (remove_replica raced the call): forget r entirely.
     void forget(std::int64_t r, ReplicaState& st) {
-        st.groups.clear();
-        st.group_mask = 0;
+        drop_groups(st);
         for (PrefixIndex* ix : {index.get(), tier.get()}) {
             if (!ix || r >= static_cast<std::int64_t>(ix->num_replicas())) continue;
             try {
@@ -587,7 +601,7 @@ struct EventApplier::Impl {
         // Entries whose last medium went stay until the call ends (a later store of the same
         // batch may name them as parent); then they go.
         for (auto& gp : st.groups) {
-            if (!gp) continue;
+            if (!gp) continue;  // a dropped group has nothing dead
             for (const std::uint64_t h : gp->dead) {
                 const Entry* e = gp->entries.find(h);
                 if (e && !e->media) gp->entries.erase(h);

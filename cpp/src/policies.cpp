@@ -391,6 +391,8 @@ public:
         return {chosen, top == 0 ? "miss" : (v.match[chosen] == top ? "affinity" : "load")};
     }
 
+    bool extends_match() const override { return count_ > 0; }
+
     // A prompt queued behind a request with the same leading blocks on the same FIFO replica
     // finds them cached when its own prefill starts: count them as matched.
     void extend_match(const std::uint64_t* hashes, std::size_t n, const std::vector<std::uint32_t>& eligible,

@@ -54,6 +54,8 @@ public:
     /// Whether a session's bound replica b is too loaded to keep it (default: in flight >
     /// max(1, session_saturation * eligible mean)).
     virtual bool saturated(const DecisionView& v, std::uint32_t b) const;
+    /// Whether extend_match may change anything now (false skips it and its rounding).
+    virtual bool extends_match() const { return false; }
     /// Raises match[r] (eligible r) with what the policy knows beyond the index.
     virtual void extend_match(const std::uint64_t*, std::size_t, const std::vector<std::uint32_t>&,
                               std::vector<std::int32_t>&) const {}

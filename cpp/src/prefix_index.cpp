@@ -31,12 +31,10 @@
 #include <string>
 #include <utility>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "kvroute/bitset.hpp"
 #include "kvroute/errors.hpp"
+#include "kvroute/support/big_array.hpp"
+#include "kvroute/support/mix.hpp"
 
 namespace kvroute {
 namespace {
@@ -44,15 +42,8 @@ namespace {
 constexpr std::uint32_t kNil = 0xFFFFFFFFu;
 constexpr std::uint32_t kRoot = 0;
 
-inline std::uint64_t mix64(std::uint64_t x) noexcept {
-    // Callers may use small or sequential ids as hashes; spread them before range reduction.
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    x ^= x >> 33;
-    return x;
-}
+using support::BigArray;
+using support::mix64;
 
 std::string hex(std::uint64_t h) {
     char buf[24];
@@ -69,58 +60,6 @@ struct Slot {
     std::uint64_t hash;
     std::uint32_t a;  // block table: node id; pair table: replica id
     std::uint32_t b;  // block table: position; pair table: LRU entry id
-};
-
-/// A fixed-size, value-filled array for the big tables. Lookups are random accesses, and
-/// with 4 KiB pages most of them would miss the TLB too, so on Linux arrays of 2 MiB and
-/// more are 2 MiB-aligned and asked for transparent huge pages before they are touched.
-template <class T>
-class BigArray {
-public:
-    BigArray() = default;
-    BigArray(const BigArray&) = delete;
-    BigArray& operator=(const BigArray&) = delete;
-    ~BigArray() { std::free(p_); }
-    void swap(BigArray& o) noexcept {
-        std::swap(p_, o.p_);
-        std::swap(n_, o.n_);
-        std::swap(bytes_, o.bytes_);
-    }
-    /// n copies of v (previous contents dropped).
-    void assign(std::size_t n, const T& v) {
-        BigArray next;
-        if (n) {
-            std::size_t bytes = n * sizeof(T);
-            void* p = nullptr;
-            if (bytes >= kHuge) {
-                bytes = (bytes + kHuge - 1) / kHuge * kHuge;
-                p = std::aligned_alloc(kHuge, bytes);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-                if (p) ::madvise(p, bytes, MADV_HUGEPAGE);  // advice only: failure is harmless
-#endif
-            } else {
-                p = std::malloc(bytes);
-            }
-            if (!p) throw std::bad_alloc();
-            next.p_ = static_cast<T*>(p);
-            next.n_ = n;
-            next.bytes_ = bytes;
-            std::uninitialized_fill_n(next.p_, n, v);
-        }
-        swap(next);
-    }
-    bool empty() const noexcept { return n_ == 0; }
-    std::size_t size() const noexcept { return n_; }
-    std::size_t bytes() const noexcept { return bytes_; }
-    T* data() noexcept { return p_; }
-    T& operator[](std::size_t i) noexcept { return p_[i]; }
-    const T& operator[](std::size_t i) const noexcept { return p_[i]; }
-
-private:
-    static constexpr std::size_t kHuge = std::size_t{2} << 20;
-    T* p_ = nullptr;
-    std::size_t n_ = 0;
-    std::size_t bytes_ = 0;
 };
 
 /// Linear-probing hash table with backward-shift deletion and 1.5x growth (memory per

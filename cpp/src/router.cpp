@@ -133,7 +133,7 @@ struct Router::Impl {
     void refresh_eligible();
     void expire(double t);
     void compute_match(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens);
-    void build_order(std::int64_t excluded);
+    const std::vector<std::uint32_t>& build_order(std::int64_t excluded);
     Picked pick(const DecisionView& v, const std::optional<std::string>& session, double t, std::uint64_t& rng);
     void touch_recency(std::uint32_t chosen);
     std::int64_t reserve(std::uint32_t chosen, std::int64_t matched, std::size_t pb,
@@ -159,12 +159,12 @@ struct Router::Impl {
     std::vector<ReplicaLoad> loads;  // in_flight and queued_prefill_tokens live in the two below
     std::vector<std::int64_t> inflight;  // hot in every decision: kept contiguous
     std::vector<std::int64_t> queued;
-    std::vector<std::int64_t> kblk;     // router blocks per engine block
-    bool any_kblk = false;              // some kblk > 1: round matches
+    std::vector<std::int32_t> base;     // scratch: the index's (already rounded) match
     std::vector<std::uint32_t> recency; // live replicas, least recently chosen first
     std::vector<char> chosen_once;      // chosen since it was added
     bool eligible_dirty = true;         // eligible_ids is rebuilt only after a membership/flag change
     std::vector<std::uint32_t> eligible_ids;
+    std::vector<char> eligible_flag;    // by id, rebuilt with eligible_ids
     std::map<std::int64_t, Request> requests;  // by handle = routing order: the oldest first
     std::int64_t next_handle = 1;
     std::uint64_t rng;
@@ -176,7 +176,7 @@ struct Router::Impl {
     // Scratch reused across decisions (guarded by mu).
     std::vector<std::int32_t> match;     // real matches: Decision and accounting
     std::vector<std::int32_t> spec_match;
-    std::vector<std::int32_t> scored;    // matches below min_match zeroed: what policies read
+    std::vector<std::int32_t> scored;    // min_match > 0: eligible matches below it zeroed, what policies read
     std::vector<std::uint32_t> order;
 };
 
@@ -199,6 +199,9 @@ std::int64_t Router::Impl::engine_k(std::optional<std::int64_t> size) const {
     if (*size % bs != 0)
         throw ValueError("engine_block_size must be a multiple of block_size (" + std::to_string(bs) +
                          ") or at most it, got " + std::to_string(*size));
+    if (*size / bs > static_cast<std::int64_t>(PrefixIndex::kMaxEngineBlock))
+        throw ValueError("engine_block_size must be at most " + std::to_string(PrefixIndex::kMaxEngineBlock) +
+                         " router blocks, got " + std::to_string(*size / bs));
     return *size / bs;
 }
 
@@ -221,7 +224,6 @@ void Router::Impl::grow_slots(std::uint32_t r) {
         loads.emplace_back();
         inflight.push_back(0);
         queued.push_back(0);
-        kblk.push_back(1);
         chosen_once.push_back(0);
     }
 }
@@ -230,7 +232,6 @@ void Router::Impl::reset_slot(std::uint32_t r) {
     loads[r] = ReplicaLoad{};
     inflight[r] = 0;
     queued[r] = 0;
-    kblk[r] = 1;
     chosen_once[r] = 0;
     eligible_dirty = true;
 }
@@ -246,8 +247,7 @@ std::uint32_t Router::Impl::add_replica(const std::string& name, std::optional<s
     names[r] = name;
     live[r] = 1;
     gen[r] += 1;
-    kblk[r] = k;
-    any_kblk = any_kblk || k > 1;
+    if (k > 1) index->set_engine_block(r, static_cast<std::uint64_t>(k));
     ids.emplace(name, r);
     // Never chosen: ahead of every replica that was, after never-chosen ones with lower ids.
     auto pos = std::find_if(recency.begin(), recency.end(),
@@ -276,8 +276,12 @@ void Router::Impl::remove_replica(const std::string& name) {
 void Router::Impl::refresh_eligible() {
     if (!eligible_dirty) return;
     eligible_ids.clear();
+    eligible_flag.assign(names.size(), 0);
     for (std::uint32_t r = 0; r < names.size(); ++r)
-        if (eligible(r)) eligible_ids.push_back(r);
+        if (eligible(r)) {
+            eligible_ids.push_back(r);
+            eligible_flag[r] = 1;
+        }
     eligible_dirty = false;
 }
 
@@ -297,25 +301,36 @@ void Router::Impl::expire(double t) {
 void Router::Impl::compute_match(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens) {
     index->match(hashes, pb, match);
     match.resize(names.size(), 0);
-    if (spec) {
-        spec->match(hashes, pb, spec_match);
-        for (std::size_t r = 0; r < match.size() && r < spec_match.size(); ++r)
-            match[r] = std::max(match[r], spec_match[r]);
-    }
-    policy->extend_match(hashes, pb, eligible_ids, match);
-    if (any_kblk)  // a replica reuses whole engine blocks only
-        for (std::uint32_t r : eligible_ids) match[r] -= static_cast<std::int32_t>(match[r] % kblk[r]);
-    scored.assign(match.begin(), match.end());
-    if (min_match > 0)
+    if (spec || policy->extends_match()) {
+        // The index rounds its own answer to whole engine blocks (C2); what the speculative
+        // index and the policy add is rounded here, with the index's k for the replica.
+        base.assign(match.begin(), match.end());
+        if (spec) {
+            spec->match(hashes, pb, spec_match);
+            for (std::size_t r = 0; r < match.size() && r < spec_match.size(); ++r)
+                match[r] = std::max(match[r], spec_match[r]);
+        }
+        policy->extend_match(hashes, pb, eligible_ids, match);
         for (std::uint32_t r : eligible_ids)
-            if (std::min(static_cast<std::int64_t>(match[r]) * bs, num_tokens) < min_match) scored[r] = 0;
+            if (match[r] != base[r])
+                match[r] -= static_cast<std::int32_t>(match[r] % static_cast<std::int64_t>(index->engine_block(r)));
+    }
+    if (min_match == 0) return;  // policies read match itself
+    // min(m * bs, num_tokens) < min_match  <=>  num_tokens < min_match or m < ceil(min_match / bs)
+    const std::int64_t least = num_tokens < min_match ? std::numeric_limits<std::int32_t>::max()
+                                                      : (min_match + bs - 1) / bs;
+    scored.resize(match.size());
+    for (std::uint32_t r : eligible_ids) scored[r] = match[r] < least ? 0 : match[r];
 }
 
 // Candidates least recently chosen first, so that every tie goes to the one idle longest.
-void Router::Impl::build_order(std::int64_t excluded) {
+const std::vector<std::uint32_t>& Router::Impl::build_order(std::int64_t excluded) {
+    if (excluded < 0 && eligible_ids.size() == recency.size()) return recency;  // all live are eligible
     order.clear();
+    const char* ok = eligible_flag.data();
     for (std::uint32_t r : recency)
-        if (eligible(r) && static_cast<std::int64_t>(r) != excluded) order.push_back(r);
+        if (ok[r] && static_cast<std::int64_t>(r) != excluded) order.push_back(r);
+    return order;
 }
 
 // Session step: keep a bound replica that is still eligible and not saturated, else ask the
@@ -336,8 +351,7 @@ Router::Impl::Picked Router::Impl::pick(const DecisionView& v, const std::option
         }
     }
     if (!entry) {
-        build_order(-1);
-        p.choice = policy->choose(v, order, r);
+        p.choice = policy->choose(v, build_order(-1), r);
         return p;
     }
     const std::uint32_t b = entry->replica;
@@ -345,8 +359,7 @@ Router::Impl::Picked Router::Impl::pick(const DecisionView& v, const std::option
     if (valid && !policy->saturated(v, b)) {
         p.choice = {b, "session"};
     } else {
-        build_order(valid && eligible_ids.size() > 1 ? static_cast<std::int64_t>(b) : -1);
-        p.choice = policy->choose(v, order, r);
+        p.choice = policy->choose(v, build_order(valid && eligible_ids.size() > 1 ? static_cast<std::int64_t>(b) : -1), r);
     }
     if (valid && p.choice.replica == b) {
         p.binding = "kept";
@@ -358,9 +371,10 @@ Router::Impl::Picked Router::Impl::pick(const DecisionView& v, const std::option
 }
 
 void Router::Impl::touch_recency(std::uint32_t chosen) {
+    chosen_once[chosen] = 1;
+    if (recency.back() == chosen) return;  // chosen again (affinity): already the most recent
     recency.erase(std::find(recency.begin(), recency.end(), chosen));
     recency.push_back(chosen);
-    chosen_once[chosen] = 1;
 }
 
 std::int64_t Router::Impl::reserve(std::uint32_t chosen, std::int64_t matched, std::size_t pb,
@@ -423,7 +437,7 @@ Decision Router::Impl::route(const std::uint64_t* hashes, std::size_t pb, std::i
         throw StateError("no eligible replica: every replica is removed, drained or unhealthy");
     expire(t);
     compute_match(hashes, pb, num_tokens);
-    const DecisionView v{hashes, pb, num_tokens, bs, &session, scored.data(),
+    const DecisionView v{hashes, pb, num_tokens, bs, &session, min_match > 0 ? scored.data() : match.data(),
                          inflight.data(), queued.data(), loads.data(), &eligible_ids};
     std::uint64_t r = rng;
     const Picked p = pick(v, session, t, r);
@@ -547,7 +561,7 @@ std::uint32_t Router::replica_id(const std::string& name) const {
 
 std::int64_t Router::engine_block(const std::string& name) const {
     std::lock_guard<std::mutex> lock(impl_->mu);
-    return impl_->kblk[impl_->lookup(name)];
+    return static_cast<std::int64_t>(impl_->index->engine_block(impl_->lookup(name)));
 }
 
 void Router::report_load(const std::string& name, std::optional<std::int64_t> waiting,
@@ -578,13 +592,19 @@ RouterStats Router::stats() const {
     return s;
 }
 
-Decision Router::route_tokens(const std::uint32_t* tokens, std::size_t n,
+Decision Router::route_tokens(const std::uint32_t* tokens, std::size_t n, const CacheKeys& keys,
                               const std::optional<std::string>& session, std::optional<double> now) {
     // Hashing needs no router state, so it runs before the lock; the buffer is per thread.
     thread_local std::vector<std::uint64_t> hashes;
-    const std::size_t blocks = n / impl_->opt.block_size;
+    const std::size_t bs = impl_->opt.block_size;
+    const std::size_t blocks = n / bs;
     if (hashes.size() < blocks) hashes.resize(blocks);
-    chain_hashes(tokens, n, impl_->opt.block_size, impl_->root, hashes.data());
+    // The same chain the event applier computes from an engine's keys (contract C1).
+    const std::uint64_t root = keyed_root(impl_->root, keys.lora, keys.cache_salt);
+    if (keys.mm_count == 0)
+        chain_hashes(tokens, n, bs, root, hashes.data());
+    else
+        chain_hashes_keyed(tokens, n, bs, root, 0, keys.mm, keys.mm_count, hashes.data());
     return route_hashes(hashes.data(), blocks, static_cast<std::int64_t>(n), session, now);
 }
 

@@ -34,7 +34,9 @@ requested number on, then an end marker, and may lose replies to its send high-w
   flight) is probed with a replay from its last number, which recovers batches lost at the
   end of a burst (tail loss) and notices a restart whose batches were all lost. A new PUB
   connection (the driver watches the socket's connects) is probed at once, which notices a
-  restarted process even when its first batch to arrive carries the number expected next.
+  restarted process even when its first batch to arrive carries the number expected next;
+  where nothing can be checked (no replay endpoint, or no batch applied since a resync) a
+  new connection clears the replica and follows the publisher anew (a resync).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class _Round:
     probe: bool
     started: float
     active: float
+    verify: bool = False  # after a new connection: hold live batches until it answers
     first: bool = True  # no reply yet
     progress: bool = False  # applied at least one batch
 
@@ -133,7 +136,7 @@ class Follower:
         self._round: _Round | None = None
         self._attempts = 0
         self._heard = now
-        self._verify = False  # probe as soon as no replay is in flight
+        self._verify = False  # a new connection to check as soon as no replay is in flight
 
     @property
     def replaying(self) -> bool:
@@ -152,10 +155,11 @@ class Follower:
             return
         self._live_max = seq
         self._seen_max = max(self._seen_max, seq)
-        if seq == self.last_seq + 1:
+        r = self._round
+        if seq == self.last_seq + 1 and (r is None or not (r.verify and r.first)):
             self._apply(seq, payload, replayed=False)
             self._drain()
-        elif self._round is not None:
+        elif r is not None:
             self._hold(seq, payload)
         elif self._replay:
             self.c.gaps += 1
@@ -178,6 +182,12 @@ class Follower:
                 if seq < r.anchor or payload != r.anchor_payload:
                     self._restart()  # same number, other bytes: another process
                     self._start(now, probe=False)
+                return
+            if r.anchor is not None and r.verify:
+                # A new connection and the ring no longer holds our last number: nothing
+                # tells whether this is the same process. Start over.
+                self._restart(counter="resyncs")
+                self._start(now, probe=False)
                 return
             if r.anchor is not None or seq > self.last_seq + 1:
                 # The ring no longer holds our last number (so nothing tells whether this is
@@ -204,11 +214,25 @@ class Follower:
             return
         self._round_over(r, now)
 
-    def on_reconnect(self, now: float) -> None:
+    def on_reconnect(self, now: float, *, exclusive: bool = True) -> None:
         """The PUB connection was made again: the publisher may be a new process, whose
-        first batch may even carry the number we expect next. Probe from our last number
-        (its bytes tell) before anything else is asked."""
+        first batch may even carry the number we expect next. Held batches (from before)
+        are dropped, and the publisher is probed from our last number (its bytes tell)
+        before anything of it is applied; where nothing can be checked (no replay endpoint,
+        or no batch applied since a resync) the replica starts over. `exclusive`: the
+        connection can only be this publisher's (we connect to it; a bound socket may also
+        be reached by other publishers, whose connections prove nothing)."""
         self.c.reconnects += 1
+        if self._round is not None:
+            # Asked of whichever process was there: ask the one there now instead.
+            self._ops.cancel()
+            self._round = None
+        self._drop_held()
+        if exclusive and (not self._replay or self._last_payload is None):
+            if self.last_seq >= 0:
+                self._restart(counter="resyncs")
+            else:
+                self._forget()
         if self._replay:
             self._verify = True
             self.tick(now)
@@ -222,8 +246,8 @@ class Follower:
                 self._round_over(r, now)
         elif self._replay and (self._verify or (self._probe is not None
                                                  and now - self._heard >= self._probe)):
-            self._verify = False
-            self._start(now, probe=True)
+            verify, self._verify = self._verify, False
+            self._start(now, probe=True, verify=verify)
 
     def next_deadline(self) -> float | None:
         """The monotonic time of the next timer, or None."""
@@ -250,9 +274,9 @@ class Follower:
             return d != _digest(payload)
         return seq > self._floor
 
-    def _start(self, now: float, *, probe: bool) -> None:
+    def _start(self, now: float, *, probe: bool, verify: bool = False) -> None:
         anchor = self.last_seq if self.last_seq >= 0 and self._last_payload is not None else None
-        self._round = _Round(anchor, self._last_payload, probe, now, now)
+        self._round = _Round(anchor, self._last_payload, probe, now, now, verify=verify)
         if probe:
             self.c.probes += 1
         else:
@@ -263,6 +287,10 @@ class Follower:
         self._ops.cancel()
         self._round = None
         self._heard = now
+        if r.verify and r.first and r.anchor is not None:
+            # A new connection whose publisher cannot be checked: start over.
+            self._restart(counter="resyncs")
+            return
         self._drain()
         if self.last_seq >= self._seen_max:
             self._attempts = 0
@@ -284,9 +312,7 @@ class Follower:
         self._attempts = 0
         self._resync(s)
         self._drain()
-        self._held.clear()  # what is left lies beyond a hole
-        self._heap.clear()
-        self.buffered_bytes = 0
+        self._drop_held()  # what is left lies beyond a hole
         self._seen_max = self.last_seq
 
     def _resync(self, last: int) -> None:
@@ -299,18 +325,25 @@ class Follower:
         for s in [s for s in self._held if s <= last]:
             self._release(s)
 
-    def _restart(self) -> None:
+    def _restart(self, counter: str = "restarts") -> None:
         self._ops.cancel()
         self._round = None
         self._ops.clear()
-        self.c.restarts += 1
+        setattr(self.c, counter, getattr(self.c, counter) + 1)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forget every number of the publisher, as for a new process."""
         self.last_seq = self._live_max = self._seen_max = self._floor = -1
         self._last_payload = None
         self._echo.clear()
+        self._drop_held()
+        self._attempts = 0
+
+    def _drop_held(self) -> None:
         self._held.clear()
         self._heap.clear()
         self.buffered_bytes = 0
-        self._attempts = 0
 
     # -- applying and holding -------------------------------------------------------------
 

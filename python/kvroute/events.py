@@ -182,7 +182,9 @@ class Subscriber:
     round ends at its end marker, after `replay_timeout` seconds without a reply, or after
     `replay_max_seconds`. A live number that goes back, or a replayed anchor whose bytes
     differ, means the publisher restarted: the replica is cleared and the new process
-    followed from 0 (replayed where its ring has it). A publisher silent for
+    followed from 0 (replayed where its ring has it). Each new PUB connection (a socket
+    monitor reports them) is verified by such a replay before any of its batches is
+    applied, or, where it cannot be, starts the replica over. A publisher silent for
     `probe_interval` seconds (None: never) with a replay endpoint is probed for anything
     after its last number (tail loss). Batches held while waiting (live messages during a
     replay, replies beyond a hole) are capped at `max_buffer_bytes` per publisher, highest
@@ -384,6 +386,8 @@ class Subscriber:
                         self._guard(t, t.follower.tick, now)
                     self._cond.notify_all()
         finally:
+            for t in self._tracks.values():
+                t.dealer = None  # closed below; a later start() opens fresh ones
             for s, (kind, _) in list(self._socks.items()):
                 if kind == "live":
                     s.disable_monitor()
@@ -429,7 +433,8 @@ class Subscriber:
     def _on_monitor(self, t: _Track, frames: list[bytes]) -> None:
         t.connects += 1
         if t.connects > 1:
-            self._guard(t, t.follower.on_reconnect, time.monotonic())
+            self._guard(t, lambda now: t.follower.on_reconnect(now, exclusive=not t.source.bind),
+                        time.monotonic())
 
     def _on_reply(self, t: _Track, frames: list[bytes]) -> None:
         got = _reply(frames)

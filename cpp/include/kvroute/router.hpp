@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvroute/hash.hpp"
 #include "kvroute/policy.hpp"
 #include "kvroute/prefix_index.hpp"
 
@@ -92,6 +93,15 @@ struct RouterStats {
     std::int64_t replicas = 0;             ///< live replicas
 };
 
+/// Per-request cache keys of the hash contract (C1, README "Block hashing"): a request's KV
+/// is reusable only under the same LoRA adapter, cache salt and multimodal inputs.
+struct CacheKeys {
+    std::string_view lora;        ///< UTF-8 adapter name; empty: none
+    std::string_view cache_salt;  ///< UTF-8 cache salt; empty: none
+    const MmKey* mm = nullptr;    ///< multimodal items, sorted by offset (stable)
+    std::size_t mm_count = 0;     ///< how many
+};
+
 /// Largest num_tokens a request may claim: keeps every load sum far from int64 overflow.
 inline constexpr std::int64_t kMaxPromptTokens = (std::int64_t{1} << 32) - 1;
 
@@ -126,11 +136,12 @@ public:
     std::vector<std::string> replicas() const;
     /// Id of a replica; KeyError if unknown.
     std::uint32_t replica_id(const std::string& name) const;
-    /// Router blocks per engine block of a replica (1: any router block is whole).
+    /// Router blocks per engine block of a replica, as the index holds it (set by add_replica
+    /// or learned from events; 1: any router block is whole).
     std::int64_t engine_block(const std::string& name) const;
 
-    /// Routes a prompt of tokens hashed with block_size and the salt.
-    Decision route_tokens(const std::uint32_t* tokens, std::size_t n,
+    /// Routes a prompt of tokens hashed with block_size, the salt and the request's keys.
+    Decision route_tokens(const std::uint32_t* tokens, std::size_t n, const CacheKeys& keys,
                           const std::optional<std::string>& session, std::optional<double> now);
     /// Routes a prompt given as n block hashes covering num_tokens tokens (ValueError above
     /// kMaxPromptTokens).

@@ -13,6 +13,9 @@ Arrivals:
 - concurrency: that many requests in flight at all times, in workload order.
 Every request asks for the turn's output length (max_tokens, ignore_eos) with
 stream_options.include_usage, and sends the turn's session as an X-Session-ID header.
+With the workload's own timing, chat turns carry their conversation: the earlier
+messages, the answers the server actually gave, and the new user message (conversation());
+with rate or concurrency, turns are independent requests (each prompt one user message).
 """
 
 from __future__ import annotations
@@ -80,13 +83,14 @@ class BenchConfig:
             raise ValueError(f"time_scale must be a finite number > 0, got {self.time_scale!r}")
 
 
-def _body(cfg: BenchConfig, turn: Turn, block_tokens: int, key: int) -> dict[str, Any]:
+def _body(cfg: BenchConfig, turn: Turn, block_tokens: int, key: int,
+          messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"max_tokens": int(turn.output_tokens), "stream": True, "ignore_eos": True,
                             "stream_options": {"include_usage": True}, "temperature": 0.0}
     if cfg.model:
         body["model"] = cfg.model
     if cfg.api == "chat":
-        body["messages"] = chat_messages(turn, block_tokens, key)
+        body["messages"] = messages if messages is not None else chat_messages(turn, block_tokens, key)
     else:
         body["prompt"] = token_prompt(turn, block_tokens, key)
     return body
@@ -102,8 +106,10 @@ def _chunk_text(obj: dict[str, Any]) -> str:
     return text
 
 
-async def _read_stream(resp: Any, res: RequestResult, t_send: float, t0: float) -> None:
+async def _read_stream(resp: Any, res: RequestResult, t_send: float, t0: float) -> str:
+    """Fill `res` from an SSE stream; returns the streamed text."""
     chunks = 0
+    pieces: list[str] = []
     use: dict[str, Any] | None = None
     async for raw in resp.content:
         line = raw.strip()
@@ -115,10 +121,12 @@ async def _read_stream(resp: Any, res: RequestResult, t_send: float, t0: float) 
         obj = json.loads(data)
         if "error" in obj:
             raise _ServerError("stream error")
-        if _chunk_text(obj):
+        text = _chunk_text(obj)
+        if text:
             if chunks == 0:
                 res.ttft = time.perf_counter() - t_send
             chunks += 1
+            pieces.append(text)
         if obj.get("usage"):
             use = obj["usage"]
     res.e2e = time.perf_counter() - t_send
@@ -135,6 +143,7 @@ async def _read_stream(resp: Any, res: RequestResult, t_send: float, t0: float) 
         res.error = "empty stream"
     if res.completion_tokens > 1 and not math.isnan(res.ttft):
         res.tpot = (res.e2e - res.ttft) / (res.completion_tokens - 1)
+    return "".join(pieces)
 
 
 class _ServerError(Exception):
@@ -142,11 +151,12 @@ class _ServerError(Exception):
 
 
 async def _one(session: Any, cfg: BenchConfig, path: str, turn: Turn, wl: Workload, c: int, k: int,
-               t0: float) -> RequestResult:
+               t0: float, messages: list[dict[str, str]] | None = None) -> tuple[RequestResult, str | None]:
+    """One streamed request; returns its result and the answer's text (None on error)."""
     import aiohttp
 
     res = RequestResult(c, k, time.perf_counter() - t0)
-    body = _body(cfg, turn, wl.block_tokens, (c << 20) ^ k)
+    body = _body(cfg, turn, wl.block_tokens, (c << 20) ^ k, messages)
     headers = {"X-Session-ID": turn.session} if turn.session else {}
     t_send = time.perf_counter()
     try:
@@ -154,15 +164,30 @@ async def _one(session: Any, cfg: BenchConfig, path: str, turn: Turn, wl: Worklo
             if resp.status != 200:
                 await resp.read()
                 res.error = f"http {resp.status}"
-                return res
-            await _read_stream(resp, res, t_send, t0)
+                return res, None
+            answer = await _read_stream(resp, res, t_send, t0)
+            return res, (answer if res.error is None else None)
     except asyncio.TimeoutError:
         res.error = "timeout"
     except aiohttp.ClientConnectionError:
         res.error = "connection"
     except (aiohttp.ClientError, ValueError, _ServerError):
         res.error = "bad stream"
-    return res
+    return res, None
+
+
+def conversation(turn: Turn, previous: tuple[Turn, list[dict[str, str]], str] | None, block_tokens: int,
+                 key: int) -> list[dict[str, str]]:
+    """The chat messages of `turn`: its whole prompt as one user message for a conversation's
+    first turn; later, the previous turn's messages, the answer the server gave, and the
+    prompt's text after the previous prompt and answer as the new user message (so the
+    server sees its own answer again, as in a real chat)."""
+    if previous is None or turn.first:
+        return chat_messages(turn, block_tokens, key)
+    prev_turn, prev_messages, answer = previous
+    text = chat_messages(turn, block_tokens, key)[0]["content"]
+    start = min(len(text), prev_turn.prompt_tokens + prev_turn.output_tokens)
+    return [*prev_messages, {"role": "assistant", "content": answer}, {"role": "user", "content": text[start:]}]
 
 
 async def run(cfg: BenchConfig, wl: Workload,
@@ -189,10 +214,12 @@ async def run(cfg: BenchConfig, wl: Workload,
             state["started"] += 1
             return True
 
-        async def send(c: int, k: int) -> None:
-            results.append(await _one(session, cfg, path, wl.clients[c].turns[k], wl, c, k, t0))
+        async def send(c: int, k: int, messages: list[dict[str, str]] | None = None) -> str | None:
+            res, answer = await _one(session, cfg, path, wl.clients[c].turns[k], wl, c, k, t0, messages)
+            results.append(res)
             if progress is not None:
                 progress(len(results), total)
+            return answer
 
         if cfg.rate is not None:
             await _open_loop(cfg, order, send, may_start, t0)
@@ -254,20 +281,25 @@ async def _closed_loop(concurrency: int, order: list[tuple[int, int]], send: Any
 
 async def _workload_timing(cfg: BenchConfig, wl: Workload, send: Any, may_start: Any, t0: float) -> None:
     scale = cfg.time_scale
+    bt = wl.block_tokens
 
     async def client(c: int) -> None:
         cl = wl.clients[c]
         delay = t0 + cl.start * scale - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        previous: tuple[Turn, list[dict[str, str]], str] | None = None
         for k, turn in enumerate(cl.turns):
             if k and turn.think_time > 0:
                 await asyncio.sleep(turn.think_time * scale)
             if not may_start():
                 return
-            await send(c, k)
+            # Chat turns carry the conversation, the server's own answers included.
+            messages = conversation(turn, previous, bt, (c << 20) ^ k) if cfg.api == "chat" else None
+            answer = await send(c, k, messages)
+            previous = None if answer is None or messages is None else (turn, messages, answer)
 
     await asyncio.gather(*(client(c) for c in range(len(wl.clients))))
 
 
-__all__ = ["APIS", "BenchConfig", "RequestResult", "run"]
+__all__ = ["APIS", "BenchConfig", "RequestResult", "conversation", "run"]

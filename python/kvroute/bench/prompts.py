@@ -13,9 +13,11 @@ token, which the emulator's built-in byte-level tokenizer reads as exactly one t
 The whole prompt is one user message, so a conversation's later prompts extend the
 earlier ones' text and the chat template keeps the shared prefix shared.
 
-Limits worth knowing: the server generates its own answer tokens, while a chat turn's
-prompt contains the workload's answer blocks, so a real engine's cache of its own answer
-is never reused by the next turn (the simulator assumes it is).
+Limits worth knowing: the server generates its own answer tokens, while a later turn's
+prompt here contains the workload's answer blocks, so a server's cache of its own answer
+is not reused by the next turn (the simulator assumes it is). kvroute.bench.client
+therefore sends chat turns, under the workload's own timing, as a conversation with the
+server's real answers (client.conversation); token-id prompts cannot carry them.
 """
 
 from __future__ import annotations

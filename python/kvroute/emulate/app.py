@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from . import metrics as _metrics
 from . import protocol as P
+from .filler import Filler
 from .runner import EngineRunner
 
 log = logging.getLogger("kvroute.emulate")
@@ -59,6 +60,7 @@ class EmulatorApp:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.engine_index = engine_index
+        self.filler = Filler(tokenizer)
         self.created = int(time.time())
         self._routes: dict[tuple[str, str], Callable[..., Awaitable[None]]] = {
             ("POST", "/v1/completions"): self._completions,
@@ -153,7 +155,8 @@ class EmulatorApp:
             raise P.ApiError(f"request id {req.request_id!r} is already running", "X-Request-Id")
         runner = self.runner
         try:
-            stream = runner.submit(req.request_id, req.prompt_ids, req.max_tokens)
+            stream = runner.submit(req.request_id, req.prompt_ids, req.max_tokens,
+                                   self.filler.output(req.max_tokens))
         except RuntimeError as exc:
             raise P.ApiError(str(exc), None, 500, "InternalServerError") from None
         except ValueError as exc:
@@ -190,7 +193,7 @@ class EmulatorApp:
                     finish = self._finish_reason(req, out)
             if stream.finished and not stream.outputs:
                 break
-        body = P.full_response(req, P.filler(0, n), finish, stream.prompt_tokens, n, stream.cached_tokens)
+        body = P.full_response(req, self.filler.text(0, n), finish, stream.prompt_tokens, n, stream.cached_tokens)
         await _respond(send, 200, body)
 
     async def _stream(self, req: P.GenRequest, stream: Any, send: Send) -> None:
@@ -214,7 +217,7 @@ class EmulatorApp:
                 finish = self._finish_reason(req, out) if out.finished else None
                 if k or finish:
                     use = P.usage(stream.prompt_tokens, n + k, None) if req.continuous_usage else None
-                    parts.append(P.chunk(req, P.filler(n, k), finish, usage_now=use))
+                    parts.append(P.chunk(req, self.filler.text(n, k), finish, usage_now=use))
                 n += k
             if stream.finished and not stream.outputs:
                 break

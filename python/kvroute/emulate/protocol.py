@@ -37,9 +37,6 @@ import msgspec
 DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_CHAT_TOKENS = 128
 MAX_TOKEN_ID = (1 << 32) - 1
-_WORDS = ("the", "model", "emulates", "a", "token", "stream", "at", "its", "step", "times", "and",
-          "this", "text", "is", "filler", "only")
-
 _json_decode = msgspec.json.Decoder().decode
 json_encode = msgspec.json.Encoder().encode
 
@@ -223,12 +220,6 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
         raise ApiError(f"messages: the chat template failed: {exc}", "messages") from None
 
 
-def filler(start: int, count: int) -> str:
-    """Deterministic text of output tokens start..start+count-1 (one word each)."""
-    n = len(_WORDS)
-    return "".join(" " + _WORDS[(k * 7 + 3) % n] for k in range(start, start + count))
-
-
 def usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
     """vLLM's UsageInfo, with prompt_tokens_details when the cached count is known."""
     out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
@@ -280,6 +271,6 @@ def usage_chunk(req: GenRequest, use: dict[str, Any]) -> bytes:
 
 DONE = b"data: [DONE]\n\n"
 
-__all__ = ["ApiError", "DONE", "GenRequest", "check_messages", "check_model", "chunk", "filler",
+__all__ = ["ApiError", "DONE", "GenRequest", "check_messages", "check_model", "chunk",
            "full_response", "json_encode", "parse_chat", "parse_completion", "parse_json", "prompt_ids",
            "token_ids", "usage", "usage_chunk"]

@@ -144,8 +144,9 @@ class EngineRunner:
             self._task = None
 
     # -- requests ----------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> _Stream:
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, output: Any = None) -> _Stream:
         """Add a request to the engine now; its outputs arrive on the returned stream.
+        output: the token ids it generates (None: the engine model's default).
         ValueError (from the engine) when it can never fit in the KV memory; RuntimeError
         once the engine model has failed."""
         from ..sim.engine import EngineRequest
@@ -154,7 +155,7 @@ class EngineRunner:
             raise RuntimeError(f"the engine model failed: {self.failed}")
         now = self.now()
         req = EngineRequest(request_id=request_id, prompt=np.asarray(prompt, dtype=np.int64),
-                            max_tokens=int(max_tokens), arrival=now)
+                            max_tokens=int(max_tokens), arrival=now, output=output)
         self.engine.add_request(req, now)  # ValueError: can never fit in the KV memory
         stream = _Stream(now, len(prompt))
         self.streams[request_id] = stream

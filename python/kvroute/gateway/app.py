@@ -16,6 +16,7 @@ prefixes, cold/warm TTFT of the traffic routed so far).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -205,8 +206,6 @@ class Gateway:
             if models:
                 status, body = await self._get(rep.spec.url + "/v1/models", t)
                 if status == 200:
-                    import json
-
                     self.fleet.set_models(rep, *parse_models(json.loads(body)))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             rep.scrape_errors += 1

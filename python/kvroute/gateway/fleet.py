@@ -22,18 +22,9 @@ def hash_prompt(tokens: Any, block_size: int, salt: str | None, lora: str | None
     return block_hashes(tokens, block_size, salt=salt, lora=lora, cache_salt=cache_salt, mm=mm)
 
 
-# -- contract C2 adapter ----------------------------------------------------------------------
-# Router.add_replica(engine_block_size=) lands with the router branch; until it is on main a
-# replica's block_size= is only learned from its events. Delete the fallback once it landed.
 def add_to_router(router: Any, spec: ReplicaSpec) -> int:
-    """Router.add_replica with the engine block size where the router takes it (contract C2)."""
-    if spec.block_size is None:
-        return int(router.add_replica(spec.name))
-    try:
-        return int(router.add_replica(spec.name, engine_block_size=spec.block_size))
-    except TypeError:
-        return int(router.add_replica(spec.name))
-# -------------------------------------------------------------------------------------------
+    """Router.add_replica with the engine block size (contract C2)."""
+    return int(router.add_replica(spec.name, engine_block_size=spec.block_size))
 
 
 @dataclasses.dataclass
@@ -87,6 +78,7 @@ class Fleet:
     def _subscribe(self, rid: int, spec: ReplicaSpec) -> Any:
         from ..events import EventApplier, Source, Subscriber
 
+        assert spec.events is not None
         applier = EventApplier(self.router.index, self.router.config.block_size, salt=self.config.salt)
         return Subscriber(applier, [Source(rid, spec.events, replay_endpoint=spec.replay)]).start()
 

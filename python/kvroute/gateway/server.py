@@ -24,7 +24,7 @@ def uvicorn_config(app: Any, config: GatewayConfig) -> Any:
     return uvicorn.Config(app, host=config.host, port=config.port, loop=loop, http="httptools",
                           lifespan="on", access_log=False, log_level=config.log_level,
                           server_header=False, date_header=False, proxy_headers=False,
-                          timeout_graceful_shutdown=config.shutdown_timeout, backlog=4096)
+                          timeout_graceful_shutdown=max(1, round(config.shutdown_timeout)), backlog=4096)
 
 
 def serve(config: GatewayConfig) -> None:

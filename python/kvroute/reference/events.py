@@ -424,6 +424,20 @@ class _Entry:
 
     __slots__ = ("parent", "start", "end", "lead", "seed", "tail", "tail_mm", "kv", "dep", "media",
                  "first_ok", "dependents", "seq", "key")
+    parent: int | None
+    start: int
+    end: int
+    lead: int
+    seed: int
+    tail: bytes
+    tail_mm: tuple[tuple[bytes, int], ...]
+    kv: tuple[int, ...]
+    dep: bool
+    media: set[str]
+    first_ok: list[bool]
+    dependents: list[int]
+    seq: int
+    key: int
 
     def has_tier(self, t: int) -> bool:
         return any(_tier(m) == t for m in self.media)

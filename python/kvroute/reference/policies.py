@@ -133,6 +133,10 @@ class Policy:
         """Whether a session's bound replica b is too loaded to keep it."""
         return v.inflight[b] > max(1.0, self.saturation * mean_of(v.inflight, v.eligible))
 
+    def extends_match(self) -> bool:
+        """Whether extend_match may change anything now (False skips it and its rounding)."""
+        return False
+
     def extend_match(self, hashes: list[int], eligible: list[int], match: list[int]) -> None:
         """Raise match[r] (eligible r) with what the policy knows beyond the index."""
 
@@ -395,6 +399,9 @@ class TTFT(Policy):
             lambda r: (v.queued[r] + 2 * (v.tokens - v.match_tokens(r)) - best, -v.match[r], v.inflight[r]),
         )
         return chosen, generic_reason(v, order, chosen)
+
+    def extends_match(self) -> bool:
+        return any(self.pending)
 
     def extend_match(self, hashes: list[int], eligible: list[int], match: list[int]) -> None:
         # A prompt queued behind a request with the same leading blocks on the same FIFO

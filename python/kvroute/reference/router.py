@@ -68,7 +68,7 @@ import numpy as np
 
 from .args import check_text
 from .hashing import block_hashes, tokens_as_uint32
-from .index import PrefixIndex, _now, as_hashes
+from .index import MAX_ENGINE_BLOCK, PrefixIndex, _now, as_hashes
 from .policies import Policy, SplitMix64, View, fnv1a64, make_policy, mix64
 
 __all__ = ["Decision", "Router", "SplitMix64", "fnv1a64", "mix64"]
@@ -76,6 +76,7 @@ __all__ = ["Decision", "Router", "SplitMix64", "fnv1a64", "mix64"]
 _I64_MAX = (1 << 63) - 1
 #: Largest num_tokens a request may claim (2**32 - 1): keeps load sums far from overflow.
 MAX_PROMPT_TOKENS = (1 << 32) - 1
+#: Largest engine_block_size add_replica() accepts (tokens).
 MAX_ENGINE_BLOCK_SIZE = 1 << 20
 
 
@@ -232,7 +233,6 @@ class Router:
         self._waiting: list[int | None] = []
         self._running: list[int | None] = []
         self._kv: list[float | None] = []
-        self._kblk: list[int] = []  # router blocks per engine block
         self._chosen_once: list[bool] = []
         self._recency: list[int] = []  # live replicas, least recently chosen first
         self._requests: dict[int, _Request] = {}  # insertion (= handle = routing) order
@@ -284,9 +284,10 @@ class Router:
             return self._lookup(name)
 
     def engine_block(self, name: str) -> int:
-        """Router blocks per engine block of a replica (1: every router block is whole)."""
+        """Router blocks per engine block of a replica, as the index holds it (set by
+        add_replica or learned from events; 1: every router block is whole)."""
         with self._lock:
-            return self._kblk[self._lookup(name)]
+            return self._index.engine_block(self._lookup(name))
 
     def add_replica(self, name: str, *, engine_block_size: int | None = None) -> int:
         """Add a replica (healthy, not draining); returns its id (the lowest free one).
@@ -310,7 +311,8 @@ class Router:
                 arr[r] = v
             self._names[r] = name
             self._gen[r] += 1
-            self._kblk[r] = k
+            if k > 1:
+                self._index.set_engine_block(r, k)
             self._ids[name] = r
             # Never chosen: ahead of every replica that was, after never-chosen lower ids.
             pos = next(
@@ -409,10 +411,21 @@ class Router:
 
     # -- routing ----------------------------------------------------------------------------
 
-    def route(self, tokens: Any, *, session: str | None = None, now: float | None = None) -> Decision:
-        """Route a prompt of token ids (hashed with config.block_size and config.salt)."""
+    def route(
+        self,
+        tokens: Any,
+        *,
+        session: str | None = None,
+        now: float | None = None,
+        lora: str | None = None,
+        cache_salt: str | None = None,
+        mm: Any = None,
+    ) -> Decision:
+        """Route a prompt of token ids, hashed with config.block_size and config.salt and the
+        request's cache keys (lora, cache_salt, mm: as block_hashes takes them), so a prompt
+        is matched only against KV stored under the same keys."""
         data = tokens_as_uint32(tokens)
-        hashes = block_hashes(data, self._bs, salt=self._salt)
+        hashes = block_hashes(data, self._bs, salt=self._salt, lora=lora, cache_salt=cache_salt, mm=mm)
         return self._route(hashes, len(data), session, now)
 
     def route_hashes(
@@ -466,7 +479,6 @@ class Router:
             (self._waiting, None),
             (self._running, None),
             (self._kv, None),
-            (self._kblk, 1),
             (self._chosen_once, False),
         ]
 
@@ -477,6 +489,8 @@ class Router:
             raise ValueError(
                 f"engine_block_size must be a multiple of block_size ({self._bs}) or at most it, got {size}"
             )
+        if size // self._bs > MAX_ENGINE_BLOCK:
+            raise ValueError(f"engine_block_size must be at most {MAX_ENGINE_BLOCK} router blocks, got {size // self._bs}")
         return size // self._bs
 
     def _align_spec(self, r: int) -> None:
@@ -545,12 +559,17 @@ class Router:
         """(matched blocks per replica, what the policy scores)."""
         match = self._index.match(hashes).tolist()
         match = match[: len(self._names)] + [0] * (len(self._names) - len(match))
-        if self._spec is not None:
-            spec = self._spec.match(hashes).tolist()
-            match = [max(a, spec[r]) if r < len(spec) else a for r, a in enumerate(match)]
-        self._policy.extend_match(hl, eligible, match)
-        for r in eligible:  # a replica reuses whole engine blocks only
-            match[r] -= match[r] % self._kblk[r]
+        if self._spec is not None or self._policy.extends_match():
+            # The index rounds its own answer to whole engine blocks (C2); what the
+            # speculative index and the policy add is rounded here, with the index's k.
+            base = list(match)
+            if self._spec is not None:
+                spec = self._spec.match(hashes).tolist()
+                match = [max(a, spec[r]) if r < len(spec) else a for r, a in enumerate(match)]
+            self._policy.extend_match(hl, eligible, match)
+            for r in eligible:
+                if match[r] != base[r]:
+                    match[r] -= match[r] % self._index.engine_block(r)
         scored = list(match)
         if self._min_match > 0:
             for r in eligible:

@@ -144,7 +144,8 @@ class Record:
     first turn of a conversation. arrival, ttft, finish (completion time): seconds.
     output_tokens: tokens generated. cached_tokens: the engine's prefix hit at admission;
     predicted_cached_tokens: what the router expected. prefill_s: compute seconds of its
-    uncached prompt tokens (uncached x per_token_s).
+    uncached prompt tokens (uncached x per_token_s). A request longer than an engine's KV
+    memory is rejected: ttft nan, finish = its arrival, cached 0.
     """
 
     client: np.ndarray
@@ -308,6 +309,8 @@ class _Run:
         n = fleet.replicas
         cfg = fleet.engine_config(workload.block_tokens)
         self.engines = [Engine(cfg) for _ in range(n)]
+        self.kv_blocks = cfg.num_kv_blocks
+        self.rejected = 0
         self.names = [f"replica-{i}" for i in range(n)]
         # Policies that never read the index do not need it fed (their predictions stay 0).
         feed = router is not None and fleet.knowledge in ("precise", "hybrid") and \
@@ -380,6 +383,12 @@ class _Run:
             if not 0 <= req.replica < len(self.engines):
                 raise ValueError(f"assign returned replica {req.replica}, out of range [0, {len(self.engines)})")
         r = req.replica
+        if -(-(turn.prompt_tokens + turn.output_tokens) // self.wl.block_tokens) > self.kv_blocks:
+            # Longer than the KV memory: an engine rejects it up front (vLLM: longer than
+            # max_model_len). Counted in Metrics.rejected, left out of the TTFT statistics.
+            self.rejected += 1
+            self._complete(req, now)
+            return
         self.engines[r].add_request(
             EngineRequest(str(rid), None, turn.output_tokens, now, block_hashes=turn.after_hashes,
                           num_prompt_tokens=turn.prompt_tokens), now)
@@ -437,6 +446,7 @@ class _Run:
         turns = [clients[q.client].turns[q.turn] for q in reqs]
         prompt = np.array([t.prompt_tokens for t in turns], dtype=np.int64)
         cached = np.array([q.cached for q in reqs], dtype=np.int64)
+        served = np.array([not math.isnan(q.ttft) for q in reqs], dtype=bool)
         rec = Record(
             client=np.array([q.client for q in reqs], dtype=np.int64),
             turn=np.array([q.turn for q in reqs], dtype=np.int64),
@@ -449,15 +459,17 @@ class _Run:
             predicted_cached_tokens=np.array([q.predicted for q in reqs], dtype=np.int64),
             ttft=np.array([q.ttft for q in reqs], dtype=np.float64),
             finish=np.array([q.finish for q in reqs], dtype=np.float64),
-            prefill_s=(prompt - cached).astype(np.float64) * self.fleet.per_token_s,
+            prefill_s=np.where(served, (prompt - cached) * self.fleet.per_token_s, 0.0),
         )
+        ok = ~np.isnan(rec.ttft)  # served (not rejected)
         m = _metrics.compute(
-            prompt_tokens=rec.prompt_tokens, cached_tokens=rec.cached_tokens, ttft=rec.ttft,
-            first_turn=rec.first, replica=rec.replica, prefill_s=rec.prefill_s,
+            prompt_tokens=rec.prompt_tokens[ok], cached_tokens=rec.cached_tokens[ok], ttft=rec.ttft[ok],
+            first_turn=rec.first[ok], replica=rec.replica[ok], prefill_s=rec.prefill_s[ok],
             num_replicas=len(self.engines), rebinds=self.rebinds, stranded_blocks=self.stranded,
-            predicted_cached_tokens=rec.predicted_cached_tokens if self.router is not None else None,
-            makespan_s=self.now, arrival=rec.arrival, finish=rec.finish, output_tokens=rec.output_tokens,
-            preemptions=sum(e.stats()["preemptions"] for e in self.engines),
+            predicted_cached_tokens=rec.predicted_cached_tokens[ok] if self.router is not None else None,
+            makespan_s=self.now, arrival=rec.arrival[ok], finish=rec.finish[ok],
+            output_tokens=rec.output_tokens[ok],
+            preemptions=sum(e.stats()["preemptions"] for e in self.engines), rejected=self.rejected,
         )
         return rec, m
 

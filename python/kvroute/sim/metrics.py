@@ -21,6 +21,8 @@ Definitions (the seed's "Evals" section):
 - TPOT (time per output token) of a request with n > 1 output tokens =
   (completion - first token) / (n - 1); mean and p90 over those requests.
 - preemptions: requests the engines preempted (recompute), summed over replicas.
+- rejected: requests longer than an engine's KV memory, refused at arrival and left out
+  of every other statistic (requests counts the served ones).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class Metrics:
     tpot_mean: float = math.nan
     tpot_p90: float = math.nan
     preemptions: int = 0
+    rejected: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values; nan (an empty run) becomes None."""
@@ -97,6 +100,7 @@ def compute(
     finish: np.ndarray | None = None,
     output_tokens: np.ndarray | None = None,
     preemptions: int = 0,
+    rejected: int = 0,
 ) -> Metrics:
     """Metrics from per-request arrays (one entry per completed request)."""
     prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
@@ -151,6 +155,7 @@ def compute(
         tpot_mean=tpot_mean,
         tpot_p90=tpot_p90,
         preemptions=int(preemptions),
+        rejected=int(rejected),
     )
 
 

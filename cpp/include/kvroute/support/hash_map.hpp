@@ -5,6 +5,8 @@
 #include <utility>
 #include <vector>
 
+#include "kvroute/support/mix.hpp"
+
 namespace kvroute::support {
 
 /// Open-addressing map from 64-bit keys (linear probing, backward-shift deletion): the
@@ -92,16 +94,8 @@ private:
         V val{};
     };
 
-    static std::uint64_t mix(std::uint64_t x) noexcept {
-        // splitmix64 finalizer: engine hashes in tests are small integers.
-        x ^= x >> 30;
-        x *= 0xbf58476d1ce4e5b9ULL;
-        x ^= x >> 27;
-        x *= 0x94d049bb133111ebULL;
-        return x ^ (x >> 31);
-    }
     std::size_t slot(std::uint64_t key) const noexcept {
-        return static_cast<std::size_t>(mix(key)) & mask_;
+        return static_cast<std::size_t>(mix64(key)) & mask_;
     }
     void grow() {
         const std::size_t cap = slots_.empty() ? 16 : slots_.size() * 2;

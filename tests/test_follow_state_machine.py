@@ -1,0 +1,151 @@
+"""kvroute._follow.Follower (the subscriber's sequence rules) against a model publisher, with
+no ZMQ and an explicit clock, so that hypothesis can try many thousands of interleavings of
+losses, restarts, holey, truncated or silent replays and timeouts.
+
+Safety, after every step: since the replica was last cleared, the batches applied are
+consecutive numbers of one publisher process. (With event-level application that is what
+keeps the index from claiming a block its engine dropped: nothing between two applied
+batches was skipped, and nothing of another process was mixed in.)
+Liveness, whenever replays are answered fully and time passes: the follower reaches the
+publisher's newest number, holds nothing of an earlier process, and when no history was
+lost (no resync since the process started) it has applied all of that process's batches.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvroute._follow import Follower
+
+PROBE = 1.0
+IDLE = 0.5
+
+
+class FakeOps:
+    """Records what the follower does to the replica and which replay is open."""
+
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, int]] = []  # (process, seq) since the last clear
+        self.open: int | None = None  # start of the open replay
+        self.gen = 0
+
+    def deliver(self, seq: int, payload: bytes) -> None:
+        proc, s = map(int, payload.split(b":"))
+        assert s == seq
+        self.applied.append((proc, s))
+
+    def clear(self) -> None:
+        self.applied = []
+
+    def request(self, start: int) -> None:
+        self.open = start
+        self.gen += 1
+
+    def cancel(self) -> None:
+        self.open = None
+        self.gen += 1
+
+
+class FollowerVsPublisher(RuleBasedStateMachine):
+    @initialize(ring=st.integers(1, 12), attempts=st.integers(1, 3),
+                cap=st.sampled_from([70, 200, 10_000]))
+    def setup(self, ring, attempts, cap):
+        self.ops = FakeOps()
+        self.now = 0.0
+        self.f = Follower(self.ops, replay=True, max_attempts=attempts, max_buffer_bytes=cap,
+                          replay_timeout=IDLE, replay_max_seconds=3.0, probe_interval=PROBE)
+        self.proc, self.seq = 0, 0
+        self.ring: deque[tuple[int, bytes]] = deque(maxlen=ring)
+        self.resyncs_at_start = 0
+
+    def _payload(self, seq: int) -> bytes:
+        return f"{self.proc}:{seq}".encode()
+
+    @rule(lost=st.lists(st.booleans(), min_size=1, max_size=5))
+    def publish(self, lost):
+        self._emit(lost)
+
+    def _emit(self, lost):
+        for gone in lost:
+            p = self._payload(self.seq)
+            self.ring.append((self.seq, p))
+            if not gone:
+                self.f.on_live(self.seq, p, self.now)
+            self.seq += 1
+
+    @rule(published_before_connect=st.integers(0, 3))
+    def restart(self, published_before_connect):
+        """A new process: numbers from 0; its first batches go out before the new
+        connection is made (so they are lost), then the connection is seen."""
+        self.proc += 1
+        self.seq = 0
+        self.ring.clear()
+        self.resyncs_at_start = self.f.c.resyncs
+        self._emit([True] * published_before_connect)
+        self.f.on_reconnect(self.now)
+
+    @precondition(lambda self: self.ops.open is not None)
+    @rule(holes=st.sets(st.integers(0, 12), max_size=3), end=st.booleans(),
+          cut=st.one_of(st.none(), st.integers(0, 12)))
+    def answer_replay(self, holes, end, cut):
+        """The ROUTER answers the open request: some replies lost, maybe cut short, maybe no
+        end marker (the round then ends by timeout)."""
+        gen, start = self.ops.gen, self.ops.open
+        items = [(s, p) for s, p in self.ring if s >= start][:cut]
+        for i, (s, p) in enumerate(items):
+            if i in holes:
+                continue
+            self.f.on_reply(s, p, self.now)
+            if self.ops.gen != gen:
+                return  # the follower closed this replay (e.g. a restart was noticed)
+        if end:
+            self.f.on_end(self.now)
+
+    @rule(dt=st.sampled_from([0.1, IDLE, PROBE, 3.0]))
+    def time_passes(self, dt):
+        self.now += dt
+        self.f.tick(self.now)
+
+    @rule()
+    def settle(self):
+        """Replays answered in full and time passing: the follower must catch up, and a
+        probe begun after this point (it checks the last number's bytes) must complete."""
+        probes = self.f.c.probes + (self.ops.open is not None)
+        for _ in range(50):
+            if self.ops.open is not None:
+                gen, start = self.ops.gen, self.ops.open
+                for s, p in [(s, p) for s, p in self.ring if s >= start]:
+                    self.f.on_reply(s, p, self.now)
+                    if self.ops.gen != gen:
+                        break
+                else:
+                    self.f.on_end(self.now)
+            elif self.f.last_seq == self.seq - 1 and self.f.c.probes > probes:
+                break
+            else:
+                self.now += PROBE
+                self.f.tick(self.now)
+        assert self.ops.open is None and self.f.last_seq == self.seq - 1
+        applied = self.ops.applied
+        assert all(p == self.proc for p, _ in applied)
+        if self.f.c.resyncs == self.resyncs_at_start:
+            assert applied == [(self.proc, s) for s in range(self.seq)]
+        assert self.f.buffered_bytes == 0
+
+    @invariant()
+    def applied_is_one_process_in_order(self):
+        a = self.ops.applied
+        assert len({p for p, _ in a}) <= 1, a
+        assert all(a[i + 1][1] == a[i][1] + 1 for i in range(len(a) - 1)), a
+        if a:
+            assert a[-1][1] == self.f.last_seq
+        assert self.f.buffered_bytes <= self.f._cap
+
+
+# Pure Python and fast: the profile's example count (HYPOTHESIS_PROFILE), longer runs.
+FollowerVsPublisher.TestCase.settings = settings(stateful_step_count=40, deadline=None)
+test_follower_vs_publisher = FollowerVsPublisher.TestCase
