@@ -61,19 +61,31 @@ preble         cost = queued prefill tokens + uncached tokens + decode_weight (3
                in-flight requests. Exploit (matched tokens > new tokens on the
                longest-match replica): the cheapest replica among the longest-match
                holders; else explore: the cheapest replica overall.
-ttft           lowest estimated time to first token, (queued prefill tokens + this
-               request's uncached tokens) / prefill_rate, plus the prefill it adds to
-               the fleet beyond the best-cached replica ((uncached - least uncached) /
-               prefill_rate: work later requests wait behind); ties to the longer
-               match, then fewer in-flight requests. Pending cache: a replica's match
-               also counts the leading blocks this prompt shares with requests routed
-               to it that have not reported their first token (a request queued
-               behind its twin on a FIFO replica finds the twin's blocks cached), so
-               ttft is not blind between routing and the engine's KV events; those
-               entries go at prefill_done, finish or remove_replica, and cost
-               O(prompt blocks) per queued request on a replica per decision.
-               Decision.matched_blocks and the queued tokens include them. No
-               parameters.
+ttft           lowest estimated time to first token on an engine that batches like vLLM
+               (kvroute.sim.engine), in token-equivalents at the prefill rate:
+               cost = W + steps * (D + step_tokens (120.0) + kv_weight (0.001) * KV)
+               + fleet_weight (1.0) * (uncached - least uncached), where W = queued
+               prefill tokens + this request's uncached tokens (the prefill ahead of
+               and including it), D = requests past their first token (decodes, one
+               token each per step), KV = their prompt tokens (decode_blocks x
+               block_size: the KV each step reads), steps = ceil(W / max(batch_tokens
+               (8192) - D, 1)) (at least 1: the engine steps it waits through, each
+               costing a fixed step_tokens (12 ms x 10,000 tokens/s), its decodes'
+               tokens and their KV reads (0.1 us per KV token x 10,000)); the last term
+               is the prefill it adds to the fleet beyond the best-cached replica
+               (work later requests wait behind). Ties to the longer match, then fewer
+               in-flight requests. With step_tokens = kv_weight = 0 it is the FIFO
+               estimate queued + 2 x uncached - least uncached (+ steps x D). Pending
+               cache: a replica's match also counts the leading blocks this prompt
+               shares with requests routed to it that have not reported their first
+               token (a request admitted in a later step than its twin finds the
+               twin's blocks cached), so ttft is not blind between routing and the
+               engine's KV events; those entries go at prefill_done, finish or
+               remove_replica, and cost O(prompt blocks) per queued request on a
+               replica per decision. Decision.matched_blocks and the queued tokens
+               include them. Tuned on kvroute simulate's engine model: the decode
+               terms lower chat's p90 TTFT at x0.6 from 2.75 s to 2.54 s (PR notes in
+               docs/results.md).
 =============  =====================================================================
 
 Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the
@@ -124,11 +136,12 @@ POLICY_PARAMS: dict[str, dict[str, Any]] = {
     "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "preble": {"decode_weight": 32.0, "min_match_tokens": MIN_MATCH_TOKENS},
-    "ttft": {"min_match_tokens": MIN_MATCH_TOKENS},
+    "ttft": {"step_tokens": 120.0, "kv_weight": 0.001, "batch_tokens": 8192, "fleet_weight": 1.0,
+             "min_match_tokens": MIN_MATCH_TOKENS},
 }
 
 #: Integer parameters (the rest are floats).
-_INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold"}
+_INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold", "batch_tokens"}
 
 MODES = ("approximate", "precise", "hybrid")
 MAX_VNODES = 4096
