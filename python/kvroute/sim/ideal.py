@@ -106,6 +106,13 @@ class _IdealRun(_Run):
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
         req = _Request(c_idx, t_idx, now)
         self.requests.append(req)
+        turn = self.wl.clients[c_idx].turns[t_idx]
+        if -(-(turn.prompt_tokens + turn.output_tokens) // self.wl.block_tokens) > self.kv_blocks:
+            # Longer than one replica's KV memory: rejected as the fleet rejects it, so
+            # both serve the same requests.
+            self.rejected += 1
+            self._complete(req, now)
+            return
         self.central.append((len(self.requests) - 1, req))
         self._dispatch(now)
 
