@@ -16,7 +16,7 @@
 # build/sanitize-thread), HYPOTHESIS_PROFILE (default dev: instrumented code runs several
 # times slower), CXX (default g++, to find the runtimes).
 #
-# TSan mode without arguments runs every test whose name says "thread" or "concurrent"
+# TSan mode without a test path runs every test whose name says "thread" or "concurrent"
 # (name a new threaded test so, and it is covered) plus the subscriber's ZMQ tests, whose
 # background thread applies events while the test thread reads. scripts/tsan.supp holds
 # the suppressions; each says why.
@@ -68,11 +68,17 @@ case ",$sanitize," in
   *) export PYTHONMALLOC=malloc ;;  # let ASan see every Python allocation, not pymalloc's arenas
 esac
 
+# Without a test path among the arguments (options such as -q or -x alone), the default
+# selection of the mode applies: TSan the threaded tests, otherwise the whole suite.
 args=("$@")
-if [ ${#args[@]} -eq 0 ]; then
+has_path=0
+for a in "$@"; do
+  if [ -e "${a%%::*}" ]; then has_path=1; fi
+done
+if [ "$has_path" -eq 0 ]; then
   case ",$sanitize," in
-    *,thread,*) args=(tests -k "thread or concurrent or test_events_zmq") ;;
-    *) args=(tests) ;;
+    *,thread,*) args+=(tests -k "thread or concurrent or test_events_zmq") ;;
+    *) args+=(tests) ;;
   esac
 fi
 
