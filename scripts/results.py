@@ -50,7 +50,7 @@ class Case:
 
 # The heavy workloads sweep the policies that compete for the lead (the time budget of one
 # regeneration on two shared cores); every policy is in their x1 tables.
-LEADERS = ("cache-aware", "sglang", "dynamo", "llm-d", "preble", "ttft")
+LEADERS = ("cache-aware", "llm-d", "preble", "ttft")
 
 CASES = {
     # chat's p90 TTFT floor at vanishing load is ~2 s (cold 20k-token histories prefill in
@@ -208,6 +208,8 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
         res = store.get(f"{case.key}.run.{r}.{scale:.6g}", lambda: _run_dict(sim.simulate(wl.scaled(scale), r, fleet)))
         return {"scale": scale, "ttft_p90": res["ttft_p90"], "run": res}
 
+    if case.only is not None:  # the swept policies and the explainer's two baselines
+        routers = [r for r in routers if r in case.only or r in ("round-robin", "sticky")]
     base = [SimpleNamespace(router=r, metrics=_metrics(run_at(r, 1.0)["run"])) for r in routers]
     peers = [s for s in sweeps if s["router"] != "ttft"]
     ref = max(peers, key=lambda s: s["goodput"]) if peers else sweeps[0]
