@@ -190,7 +190,7 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
     fleet = sim.fleet_for(case.workload, replicas=case.replicas)
     t0 = time.perf_counter()
     sweeps = []
-    sweepers = [r for r in sweepers if case.only is None or r in case.only]
+    sweepers = [r for r in sweepers if r and (case.only is None or r in case.only)]
     slo = case.slo if case.slo is not None else args.slo
     for r in sweepers:
         bisect = args.bisect if args.bisect is not None else case.bisect
@@ -211,21 +211,25 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
     if case.only is not None:  # the swept policies and the explainer's two baselines
         routers = [r for r in routers if r in case.only or r in ("round-robin", "sticky")]
     base = [SimpleNamespace(router=r, metrics=_metrics(run_at(r, 1.0)["run"])) for r in routers]
-    peers = [s for s in sweeps if s["router"] != "ttft"]
-    ref = max(peers, key=lambda s: s["goodput"]) if peers else sweeps[0]
-    ref_scale = ref["goodput_scale"] or case.start
-    at = {sw["router"]: run_at(sw["router"], ref_scale) for sw in sweeps}
     where = f" {shown}" if path else ""
     extra = f" --replicas {case.replicas}" if case.replicas != 8 else ""
     rate_note = f" (Poisson {rate:g} req/s at x1; `--rate {rate:g}`)" if rate else ""
     cmd = f"kvroute simulate --workload {case.workload}{where}{extra}"
-    return [
+    head = [
         f"## {case.key}", "",
         f"{wl.description}{rate_note}; {case.replicas} replicas, KV memory {fleet.cache_tokens:,} tokens per "
         f"replica.", "",
         "At the workload's own rate (x1):", "",
         f"    {cmd} --routers {','.join(routers)}{' --rate %g' % rate if rate else ''}", "",
         _base_table(base), "",
+    ]
+    if not sweeps:
+        return head + ["(No goodput sweep in this regeneration: see the notes at the end.)", ""]
+    peers = [s for s in sweeps if s["router"] != "ttft"]
+    ref = max(peers, key=lambda s: s["goodput"]) if peers else sweeps[0]
+    ref_scale = ref["goodput_scale"] or case.start
+    at = {sw["router"]: run_at(sw["router"], ref_scale) for sw in sweeps}
+    return head + [
         f"Goodput: the highest arrival rate with p90 TTFT <= {slo:g} s (a ladder x2 from x{case.start:g}, "
         f"then {args.bisect if args.bisect is not None else case.bisect} bisections); p90 TTFT of every router at x{ref_scale:.3g}, where the best peer "
         f"({ref['router']}) reaches the SLO:", "",
@@ -255,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(CASES))
     ap.add_argument("--routers", default=",".join(sim.ALL_ROUTERS))
     ap.add_argument("--sweep-routers", default=",".join(sim.ALL_ROUTERS))
+    ap.add_argument("--note", action="append", default=[], help="a line for the notes at the end (repeatable)")
     ap.add_argument("--cache", default=None, help="directory of finished runs to reuse (JSON); default: none")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # the trace path and the commands below are relative to the repository
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "usage, 2 or 10 s per unit) measured 2.60 s and is not used.",
         "- The explainer's pattern holds on chat at x1: round-robin has the lowest hit rate, sticky's "
         "busiest replica is far above the mean, cache-aware is balanced with a far lower p90 than both.",
+        "",
+        *[f"- {line}" for line in args.note],
         "",
         f"Total generation time {time.perf_counter() - started:.0f} s.", "",
     ]
