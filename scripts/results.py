@@ -75,6 +75,10 @@ class Store:
         if self.root:
             self.root.mkdir(parents=True, exist_ok=True)
 
+    def has(self, key: str) -> bool:
+        """Whether a finished run is stored under key."""
+        return self.root is not None and (self.root / f"{key}.json").exists()
+
     def get(self, key: str, make: Any) -> Any:
         path = self.root / f"{key}.json" if self.root else None
         if path is not None and path.exists():
@@ -191,6 +195,9 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
     t0 = time.perf_counter()
     sweeps = []
     sweepers = [r for r in sweepers if r and (case.only is None or r in case.only)]
+    if case.key in args.no_sweep:  # x1 only, and only the runs already stored
+        sweepers = []
+        routers = [r for r in routers if store.has(f"{case.key}.run.{r}.1")]
     slo = case.slo if case.slo is not None else args.slo
     for r in sweepers:
         bisect = args.bisect if args.bisect is not None else case.bisect
@@ -259,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(CASES))
     ap.add_argument("--routers", default=",".join(sim.ALL_ROUTERS))
     ap.add_argument("--sweep-routers", default=",".join(sim.ALL_ROUTERS))
+    ap.add_argument("--no-sweep", action="append", default=[], metavar="WORKLOAD",
+                    help="no goodput sweep for this workload: its x1 table from stored runs only (repeatable)")
     ap.add_argument("--note", action="append", default=[], help="a line for the notes at the end (repeatable)")
     ap.add_argument("--cache", default=None, help="directory of finished runs to reuse (JSON); default: none")
     args = ap.parse_args(argv)
