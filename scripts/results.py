@@ -146,8 +146,11 @@ def _verdict(sweeps: list[dict[str, Any]], at: dict[str, dict[str, Any]], ref_ro
     p90_peer = min((r for r in at if r != "ttft"), key=lambda r: at[r]["ttft_p90"])
     g, bg = ours["goodput"], best["goodput"]
     p_ok = at["ttft"]["ttft_p90"] < at[p90_peer]["ttft_p90"]
-    return (f"ttft goodput {g:.3f} req/s vs the best peer's {bg:.3f} ({best['router']}): "
-            f"{'HIGHER' if g > bg else 'TIED' if g == bg else 'NOT higher'}. At x{ref:.3g} (where "
+    gs, bs = ours["goodput_scale"], max(s["goodput_scale"] for s in peers)
+    # Closed-loop rates differ a little at one factor; the factor is what the sweep resolves.
+    word = "HIGHER" if gs > bs + 1e-9 else "TIED (same rate factor)" if abs(gs - bs) <= 1e-9 else "NOT higher"
+    return (f"ttft goodput {g:.3f} req/s (x{gs:.3g}) vs the best peer's {bg:.3f} ({best['router']}, "
+            f"x{bs:.3g}): {word}. At x{ref:.3g} (where "
             f"{ref_router} reaches the SLO) ttft's p90 TTFT is {report.fmt_seconds(at['ttft']['ttft_p90'])} vs the "
             f"best peer's {report.fmt_seconds(at[p90_peer]['ttft_p90'])} ({p90_peer}): "
             f"{'lower' if p_ok else 'NOT lower'}.")
