@@ -17,7 +17,7 @@ WL = sim.chat(sim.ChatParams(sessions_per_replica=2, conversations_per_user=2), 
 def test_matches_the_batch_curves_and_finds_the_header():
     prompts, times = synthetic.prompts(WL, synthetic.timestamp_header)
     stream = bs.build([(kvroute.block_hashes(p, 16), len(p), True) for p in prompts], 16)
-    diag = Diagnostics(16, cache_tokens=16_384, max_blocks=4096)
+    diag = Diagnostics(16, cache_tokens=16_384, max_blocks=4096, rate=1.0, volatile_every=1)
     for name in ("a", "b"):
         diag.add_replica(name, now=0.0)
     rep = np.arange(stream.num_ops) % 2

@@ -52,7 +52,7 @@ def test_config_defaults_and_params():
         "cache_threshold": 0.5,
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
-        "min_match_tokens": 256,
+        "min_match_tokens": 64,
     }
     assert RouterConfig().policy == "ttft"
     assert RouterConfig(policy="sticky").params == {"vnodes": 64, "bound": None}
@@ -271,6 +271,7 @@ def test_ttft_prefers_cache_until_queue_outweighs_it(impl):
     r = make(impl, ["a", "b"], policy="ttft")
     p = prompt(1, 1024)
     first = r.route(p)
+    # (Every replica also pays one step of step_tokens; no decodes yet.)
     # Holder: 1024 queued + 0 uncached; other: 0 + 1024 uncached + 1024 extra fleet prefill.
     second = r.route(p)
     assert second.replica == first.replica and second.reason == "affinity"
@@ -284,6 +285,22 @@ def test_ttft_prefers_cache_until_queue_outweighs_it(impl):
     # Holder's queue down to 512: 512 + 512 beats 1024 + 1024 + 512.
     fifth = r.route(prompt(4, 1024, p[:512]))
     assert (fifth.replica, fifth.matched_blocks, fifth.reason) == (first.replica, 32, "affinity")
+
+
+def test_ttft_counts_the_decode_steps_it_waits_through(impl):
+    r = make(impl, ["a", "b"], policy="ttft")
+    first = r.route(prompt(1, 8192))
+    r.prefill_done(first.handle)  # one decode reading 8,192 KV tokens per step
+    other = "b" if first.replica == "a" else "a"
+    for i in (2, 3):
+        d = r.route(prompt(i, 16))
+        # 16 + 1 step x (120 + 1 decode + 0.001 x 8,192) > 16 + 1 step x (120 + the others' decodes)
+        assert d.replica == other
+        r.prefill_done(d.handle)
+    # Two short decodes (2 + 0.032) cost less per step than one long one (1 + 8.192): the
+    # replica with more requests in flight wins, where a FIFO estimate would tie and pick
+    # the fewer in flight.
+    assert r.route(prompt(4, 1024)).replica == other
 
 
 # -- policies -----------------------------------------------------------------------------

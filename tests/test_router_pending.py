@@ -115,10 +115,21 @@ class PendingMachine(RuleBasedStateMachine):
         hashes = chain(family, n, tail)
         tokens = n * BS - (extra if n else 0)
         keys = {}
+        uncached = {n: tokens - min(self.expected_match(n, hashes) * BS, tokens) for n in self.live}
+        least = min(uncached.values())
+        p = RouterConfig(policy="ttft").params
         for name in self.live:
             m = self.expected_match(name, hashes)
-            uncached = tokens - min(m * BS, tokens)
-            keys[name] = (self.queued(name) + 2 * uncached, -m, self.inflight(name))
+            u = uncached[name]
+            # kvroute.config's ttft estimate: decodes are the prefilled open requests.
+            w = self.queued(name) + u
+            done = [v for v in self.open.values() if v[0] == name and v[3]]
+            cap = max(p["batch_tokens"] - len(done), 1)
+            steps = max(1, (w + cap - 1) // cap)
+            kv = float(sum(len(v[1]) for v in done) * BS)
+            cost = float(w) + float(steps) * (float(len(done)) + p["step_tokens"] + p["kv_weight"] * kv) + \
+                p["fleet_weight"] * float(u - least)
+            keys[name] = (cost, -m, self.inflight(name))
         d = self.r.route_hashes(hashes, tokens, now=0.0)
         assert d.replica in self.live
         assert keys[d.replica] == min(keys.values()), (d, keys)

@@ -91,3 +91,14 @@ def test_ideal_on_chat():
     for router in ("round-robin", "ttft"):
         frac = fraction_of_ideal(sim.simulate(wl, router, fleet), ideal)
         assert 0.0 < frac["hit_rate"] <= 1.0 + 1e-9 and 0.0 < frac["ttft_p90"]
+
+
+def test_a_replica_waits_for_blocks_another_holds():
+    # The shared pool holds 200 blocks. A (150 blocks + 10 output tokens) runs on replica
+    # 0 until 2.41 s (prefill) + 9 x 11 ms (decodes) = 2.509 s; B (100 blocks), arriving at
+    # 0.1 s on the idle replica 1, cannot get 101 blocks until A frees its own.
+    a = Turn(np.arange(1, 151, dtype=np.uint64), 150 * 16, 10, np.arange(1, 151, dtype=np.uint64))
+    b = Turn(np.arange(1000, 1100, dtype=np.uint64), 100 * 16 + 8, 1, np.arange(1000, 1100, dtype=np.uint64))
+    res = simulate_ideal(_wl([Client(0.0, (a,)), Client(0.1, (b,))]), FLEET)
+    assert res.records.replica.tolist() == [0, 1]
+    assert res.records.ttft.tolist() == pytest.approx([2.41, 2.509 + 0.01 + 1.608 - 0.1])

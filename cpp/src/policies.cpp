@@ -367,23 +367,31 @@ private:
 // that have not produced their first token.
 class TTFT final : public RoutingPolicy {
 public:
-    using RoutingPolicy::RoutingPolicy;
+    TTFT(double saturation, const RouterOptions& o)
+        : RoutingPolicy(saturation),
+          step_(o.param("step_tokens")),
+          kvw_(o.param("kv_weight")),
+          batch_(static_cast<std::int64_t>(o.param("batch_tokens"))),
+          fleet_(o.param("fleet_weight")) {}
 
     Choice choose(const DecisionView& v, const std::vector<std::uint32_t>& order, std::uint64_t&) override {
-        // Queued + uncached tokens over one shared prefill rate: comparing tokens is exact.
-        // Plus the prefill this request adds to the fleet beyond the best-cached candidate.
-        // Ties: the longer match, then fewer in flight, then the least recently chosen.
+        // Estimated time to first token in tokens at the prefill rate (kvroute/config.py):
+        // the prefill ahead of and including this request, the engine steps it waits through
+        // (fixed cost, decodes, their KV reads), and the prefill it adds to the fleet beyond
+        // the best-cached candidate. Ties: the longer match, then fewer in flight, then the
+        // least recently chosen. Operation for operation as the reference's TTFT.cost.
         const std::int32_t top = top_match(v, order);
-        const std::int64_t least_uncached = v.tokens - std::min(std::int64_t{top} * v.block_size, v.tokens);
+        const std::int64_t least = v.tokens - std::min(std::int64_t{top} * v.block_size, v.tokens);
         std::uint32_t chosen = order[0];
-        std::int64_t best_tok = 0, best_m = -1, best_f = 0;
+        double best_cost = 0.0;
+        std::int64_t best_m = -1, best_f = 0;
         for (std::uint32_t r : order) {
             const std::int64_t m = v.match[r];
-            const std::int64_t tok = v.queued[r] + 2 * (v.tokens - v.match_tokens(r)) - least_uncached;
             const std::int64_t f = v.inflight[r];
-            if (best_m < 0 || tok < best_tok || (tok == best_tok && (m > best_m || (m == best_m && f < best_f)))) {
+            const double c = cost(v, r, least);
+            if (best_m < 0 || c < best_cost || (c == best_cost && (m > best_m || (m == best_m && f < best_f)))) {
                 chosen = r;
-                best_tok = tok;
+                best_cost = c;
                 best_m = m;
                 best_f = f;
             }
@@ -435,10 +443,25 @@ public:
     }
 
 private:
+    double cost(const DecisionView& v, std::uint32_t r, std::int64_t least) const {
+        const std::int64_t u = v.tokens - v.match_tokens(r);
+        const std::int64_t w = v.queued[r] + u;
+        const ReplicaLoad& load = v.loads[r];
+        const std::int64_t d = v.inflight[r] - load.prefill_requests;
+        const std::int64_t cap = std::max<std::int64_t>(batch_ - d, 1);
+        const std::int64_t steps = std::max<std::int64_t>(1, (w + cap - 1) / cap);
+        const double kv = static_cast<double>(load.decode_blocks * v.block_size);
+        return static_cast<double>(w) + static_cast<double>(steps) * (static_cast<double>(d) + step_ + kvw_ * kv) +
+               fleet_ * static_cast<double>(u - least);
+    }
+
     struct Pending {
         std::int64_t handle;
         std::vector<std::uint64_t> hashes;
     };
+    double step_, kvw_;
+    std::int64_t batch_;
+    double fleet_;
     std::vector<std::vector<Pending>> pending_;  // per replica id
     std::size_t count_ = 0;                      // entries in pending_: 0 skips the scan
 };
@@ -473,7 +496,7 @@ std::unique_ptr<RoutingPolicy> make_policy(const RouterOptions& o) {
         case Policy::Dynamo: return std::make_unique<Dynamo>(s, o);
         case Policy::LLMD: return std::make_unique<LLMD>(s, o);
         case Policy::Preble: return std::make_unique<Preble>(s, o);
-        case Policy::TTFT: return std::make_unique<TTFT>(s);
+        case Policy::TTFT: return std::make_unique<TTFT>(s, o);
     }
     throw ValueError("unknown policy value " + std::to_string(static_cast<int>(o.policy)));
 }

@@ -17,21 +17,21 @@ turns whatever the pattern of ties (a rotation offset that advanced on every dec
 sent every first turn of 8-turn conversations to one replica of 8, sglang #32983).
 
 Cache-aware policies (linear, sglang, dynamo, llmd, preble, ttft) also take
-`min_match_tokens` (MIN_MATCH_TOKENS = 256): a replica whose match covers fewer prompt
+`min_match_tokens` (MIN_MATCH_TOKENS = 64): a replica whose match covers fewer prompt
 tokens scores as if it matched nothing (Decision.matched_blocks and the load accounting
-still report the real match). Unrelated prompts that share only a chat template or a
-short system prompt then spread as unrelated prompts do instead of piling onto the
-replica that saw the template first. The default is from `kvroute simulate` (chat
-workload, 8 replicas, precise, ttft; hit rate / mean TTFT s): with no shared template
-0 to 256 are identical (47.3% / 0.856) and 512 hurts (44.8% / 0.911); with a 32-token
-template 0 gives 43.7% / 0.935 and 64 or 256 give 44.7% / 0.911; with a 128-token
-template 0 and 64 give 44.9% / 0.920 and 256 gives 45.4% / 0.900. 256 is the largest
-value that costs nothing where no template is shared. 0 restores matching on any block.
+still report the real match). Unrelated prompts that share only a chat template (the
+32-token case of sglang #32983) then spread as unrelated prompts do instead of piling
+onto the replica that saw the template first. The default is from `kvroute simulate`
+(chat workload, 8 replicas, precise knowledge, engine-model fleet; hit rate / mean TTFT /
+p90 TTFT): ttft 64 -> 35.7% / 1.90 s / 4.93 s, 256 -> 34.7% / 1.94 s / 5.70 s; linear
+0 -> 32.1% / 1.91 s, 64 -> 33.5% / 1.86 s, 256 -> 32.4% / 2.01 s. 64 (four blocks of 16)
+is the best of these for both and still ignores a 32-token template; larger thresholds
+also ignore real reuse of short histories. 0 restores matching on any block.
 
 =============  =====================================================================
 policy         rule and parameters
 =============  =====================================================================
-round_robin    next eligible replica in rotation. No parameters.
+round_robin    the least recently chosen eligible replica. No parameters.
 random         uniform among eligible replicas, from the seeded generator.
 least_loaded   fewest in-flight requests.
 power_of_two   two distinct replicas drawn from the seeded generator; the one with
@@ -42,7 +42,7 @@ sticky         consistent hashing of the session (else the prompt's first block)
                ceil(c * (in_flight_total + 1) / eligible); a replica at capacity is
                skipped and the walk continues along the ring.
 linear         score = w_affinity (1.0) * matched_tokens - w_load (1.0) * queued
-               prefill tokens, argmax; a match shorter than min_match_tokens (256)
+               prefill tokens, argmax; a match shorter than min_match_tokens (64)
                counts as 0. Escape: if the best-affinity replica's queued prefill
                tokens exceed escape_factor (1.5) times the eligible mean, the least
                loaded (queued prefill tokens) replica is chosen instead.
@@ -61,19 +61,31 @@ preble         cost = queued prefill tokens + uncached tokens + decode_weight (3
                in-flight requests. Exploit (matched tokens > new tokens on the
                longest-match replica): the cheapest replica among the longest-match
                holders; else explore: the cheapest replica overall.
-ttft           lowest estimated time to first token, (queued prefill tokens + this
-               request's uncached tokens) / prefill_rate, plus the prefill it adds to
-               the fleet beyond the best-cached replica ((uncached - least uncached) /
-               prefill_rate: work later requests wait behind); ties to the longer
-               match, then fewer in-flight requests. Pending cache: a replica's match
-               also counts the leading blocks this prompt shares with requests routed
-               to it that have not reported their first token (a request queued
-               behind its twin on a FIFO replica finds the twin's blocks cached), so
-               ttft is not blind between routing and the engine's KV events; those
-               entries go at prefill_done, finish or remove_replica, and cost
-               O(prompt blocks) per queued request on a replica per decision.
-               Decision.matched_blocks and the queued tokens include them. No
-               parameters.
+ttft           lowest estimated time to first token on an engine that batches like vLLM
+               (kvroute.sim.engine), in token-equivalents at the prefill rate:
+               cost = W + steps * (D + step_tokens (120.0) + kv_weight (0.001) * KV)
+               + fleet_weight (1.0) * (uncached - least uncached), where W = queued
+               prefill tokens + this request's uncached tokens (the prefill ahead of
+               and including it), D = requests past their first token (decodes, one
+               token each per step), KV = their prompt tokens (decode_blocks x
+               block_size: the KV each step reads), steps = ceil(W / max(batch_tokens
+               (8192) - D, 1)) (at least 1: the engine steps it waits through, each
+               costing a fixed step_tokens (12 ms x 10,000 tokens/s), its decodes'
+               tokens and their KV reads (0.1 us per KV token x 10,000)); the last term
+               is the prefill it adds to the fleet beyond the best-cached replica
+               (work later requests wait behind). Ties to the longer match, then fewer
+               in-flight requests. With step_tokens = kv_weight = 0 it is the FIFO
+               estimate queued + 2 x uncached - least uncached (+ steps x D). Pending
+               cache: a replica's match also counts the leading blocks this prompt
+               shares with requests routed to it that have not reported their first
+               token (a request admitted in a later step than its twin finds the
+               twin's blocks cached), so ttft is not blind between routing and the
+               engine's KV events; those entries go at prefill_done, finish or
+               remove_replica, and cost O(prompt blocks) per queued request on a
+               replica per decision. Decision.matched_blocks and the queued tokens
+               include them. Tuned on kvroute simulate's engine model: the decode
+               terms lower chat's p90 TTFT at x0.6 from 2.75 s to 2.54 s (PR notes in
+               docs/results.md).
 =============  =====================================================================
 
 Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the
@@ -105,7 +117,7 @@ from typing import Any, NoReturn
 from .reference.hashing import MAX_BLOCK_SIZE, salt_bytes
 
 #: Default of every cache-aware policy's min_match_tokens (see the module docstring).
-MIN_MATCH_TOKENS = 256
+MIN_MATCH_TOKENS = 64
 
 #: policy -> {parameter: default}. A parameter with default None is optional.
 POLICY_PARAMS: dict[str, dict[str, Any]] = {
@@ -124,11 +136,12 @@ POLICY_PARAMS: dict[str, dict[str, Any]] = {
     "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "preble": {"decode_weight": 32.0, "min_match_tokens": MIN_MATCH_TOKENS},
-    "ttft": {"min_match_tokens": MIN_MATCH_TOKENS},
+    "ttft": {"step_tokens": 120.0, "kv_weight": 0.001, "batch_tokens": 8192, "fleet_weight": 1.0,
+             "min_match_tokens": MIN_MATCH_TOKENS},
 }
 
 #: Integer parameters (the rest are floats).
-_INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold"}
+_INT_PARAMS = {"vnodes", "min_match_tokens", "balance_abs_threshold", "batch_tokens"}
 
 MODES = ("approximate", "precise", "hybrid")
 MAX_VNODES = 4096

@@ -30,9 +30,9 @@ from .volatile import VolatilePrefixDetector
 class _Replica:
     __slots__ = ("joined", "curve", "requests", "input_tokens", "cached_tokens", "cold", "warm")
 
-    def __init__(self, joined: float, block_size: int, max_blocks: int, samples: int) -> None:
+    def __init__(self, joined: float, block_size: int, max_blocks: int, samples: int, rate: float) -> None:
         self.joined = joined
-        self.curve = mrc.Shards(block_size, max_blocks=max_blocks)
+        self.curve = mrc.Shards(block_size, rate=rate, max_blocks=max_blocks)
         self.requests = 0
         self.input_tokens = 0
         self.cached_tokens = 0
@@ -45,12 +45,18 @@ class Diagnostics:
 
     block_size: the router's block size (tokens per hash). cache_tokens: KV tokens per
     replica (for the hit rate the curves predict at the fleet's size; None: not shown).
-    max_blocks: blocks tracked per curve. cold_window_s: seconds after a replica joins
-    during which its requests count as cold starts. clock: seconds (time.monotonic).
+    max_blocks: blocks tracked per curve. rate: the curves' initial SHARDS sampling rate
+    (0.01: about one block in a hundred costs any work, so observe() stays cheap on a
+    gateway's event loop; fixed-size SHARDS lowers it further when needed). cold_window_s:
+    seconds after a replica joins during which its requests count as cold starts.
+    volatile_every: the volatile-prefix detector reads one request's tokens in this many
+    (4; it costs ~140 us per 2,000-token prompt, the curves ~60 us a request), so its
+    counts are over that sample. clock: seconds (time.monotonic).
     """
 
     def __init__(self, block_size: int = 16, *, cache_tokens: int | None = None, max_blocks: int = 16_384,
-                 cold_window_s: float = 300.0, ttft_samples: int = 2048, volatile: bool = True,
+                 rate: float = 0.01, cold_window_s: float = 300.0, ttft_samples: int = 2048,
+                 volatile: bool = True, volatile_every: int = 4,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
@@ -66,8 +72,13 @@ class Diagnostics:
         self._samples = int(ttft_samples)
         self._clock = clock
         self._lock = threading.Lock()
-        self._pooled = mrc.Shards(block_size, max_blocks=self.max_blocks)
+        self.rate = float(rate)
+        self._pooled = mrc.Shards(block_size, rate=self.rate, max_blocks=self.max_blocks)
         self._volatile = VolatilePrefixDetector(block_size) if volatile else None
+        if isinstance(volatile_every, bool) or not isinstance(volatile_every, int) or volatile_every < 1:
+            raise ValueError(f"volatile_every must be an int >= 1, got {volatile_every!r}")
+        self.volatile_every = volatile_every
+        self._seen = 0
         self._replicas: dict[str, _Replica] = {}
         self._pending: dict[Any, tuple[str, float, bool]] = {}
 
@@ -109,7 +120,8 @@ class Diagnostics:
             rep.input_tokens += int(prompt_tokens)
             if cached_tokens is not None:
                 rep.cached_tokens += int(cached_tokens)
-            if tokens is not None and self._volatile is not None:
+            self._seen += 1
+            if tokens is not None and self._volatile is not None and self._seen % self.volatile_every == 1 % self.volatile_every:
                 self._volatile.observe(np.asarray(tokens, dtype=np.int64), h)
             if request_id is not None:
                 if len(self._pending) >= 65_536:  # bounded: the oldest unanswered goes
@@ -154,13 +166,13 @@ class Diagnostics:
             out["ttft"] = {"cold": {"samples": len(cold), "p50": _p(cold, 50), "p90": _p(cold, 90)},
                            "warm": {"samples": len(warm), "p50": _p(warm, 50), "p90": _p(warm, 90)}}
             if self._volatile is not None:
-                out["volatile"] = self._volatile.report().as_dict()
+                out["volatile"] = {**self._volatile.report().as_dict(), "sampled_every": self.volatile_every}
             return out
 
     def _replica(self, name: str, t: float) -> _Replica:
         rep = self._replicas.get(name)
         if rep is None:
-            rep = self._replicas[name] = _Replica(t, self.block_size, self.max_blocks, self._samples)
+            rep = self._replicas[name] = _Replica(t, self.block_size, self.max_blocks, self._samples, self.rate)
         return rep
 
     def _now(self, now: float | None) -> float:

@@ -102,13 +102,15 @@ def _simulated(out: dict[str, Any], trace: Trace, fleet: Any, p: DiagnoseParams,
     say("per-replica curves")
     curves = mrc.per_replica(trace.stream.with_replica(placement), sizes)
     split = mrc.fleet_hit_rate(curves, sizes)
+    served = ~np.isnan(rec.ttft)  # the simulator rejects requests longer than a replica's KV
     cold = _cold_mask(trace, rec, fleet.cache_blocks(trace.stream.block_tokens) * fleet.replicas)
     out["split"] = {"sizes_blocks_per_replica": sizes.tolist(), "hit_rate": [round(float(x), 6) for x in split],
                     "at_fleet_cache": float(split[int(np.searchsorted(sizes, per))])}
     out["simulated"] = {"router": _run(res.metrics), "ideal": _run(ideal.metrics),
                         "fraction_of_ideal": {k: _num(v) for k, v in fraction_of_ideal(res, ideal).items()},
-                        "cold": _ttft(rec.ttft[cold], rec, cold), "warm": _ttft(rec.ttft[~cold], rec, ~cold),
-                        "replicas": _replicas(rec, fleet.replicas)}
+                        "cold": _ttft(rec.ttft[cold & served], rec, cold & served),
+                        "warm": _ttft(rec.ttft[~cold & served], rec, ~cold & served),
+                        "rejected": int((~served).sum()), "replicas": _replicas(rec, fleet.replicas, served)}
 
 
 def _cold_mask(trace: Trace, rec: Any, fleet_blocks: int) -> np.ndarray:
@@ -141,10 +143,10 @@ def _ttft(ttft: np.ndarray, rec: Any, mask: np.ndarray) -> dict[str, Any]:
             "hit_rate": _num(rec.cached_tokens[mask].sum() / tokens) if tokens else None}
 
 
-def _replicas(rec: Any, n: int) -> list[dict[str, Any]]:
+def _replicas(rec: Any, n: int, served: np.ndarray) -> list[dict[str, Any]]:
     rows = []
     for r in range(n):
-        m = rec.replica == r
+        m = (rec.replica == r) & served
         tokens = int(rec.prompt_tokens[m].sum())
         rows.append({"replica": r, "requests": int(m.sum()), "joined_s": 0.0,
                      "hit_rate": _num(rec.cached_tokens[m].sum() / tokens) if tokens else None,

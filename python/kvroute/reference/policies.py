@@ -388,16 +388,26 @@ class TTFT(Policy):
     def __init__(self, params: Mapping[str, Any], session_saturation: float) -> None:
         super().__init__(params, session_saturation)
         self.pending: list[dict[int, list[int]]] = []  # per replica: handle -> prompt hashes
+        self.step = params["step_tokens"]
+        self.kvw = params["kv_weight"]
+        self.batch = params["batch_tokens"]
+        self.fleet = params["fleet_weight"]
+
+    def cost(self, v: View, r: int, least: int) -> float:
+        """Estimated time to first token on r, in tokens at the prefill rate (kvroute.config)."""
+        u = v.tokens - v.match_tokens(r)
+        w = v.queued[r] + u
+        d = v.inflight[r] - v.prefill_requests[r]
+        cap = max(self.batch - d, 1)
+        steps = max(1, (w + cap - 1) // cap)
+        kv = float(v.decode_blocks[r] * v.block_size)
+        return float(w) + float(steps) * (float(d) + self.step + self.kvw * kv) + self.fleet * float(u - least)
 
     def choose(self, v: View, order: list[int], rng: SplitMix64) -> tuple[int, str]:
-        # Tokens (one prefill_rate divides all): this request's wait and prefill, plus the
-        # prefill it adds to the fleet beyond the best-cached candidate. Ties: the longer
-        # match, then fewer in flight, then the least recently chosen.
-        best = min(v.tokens - v.match_tokens(r) for r in order)
-        chosen = argmin(
-            order,
-            lambda r: (v.queued[r] + 2 * (v.tokens - v.match_tokens(r)) - best, -v.match[r], v.inflight[r]),
-        )
+        # Ties: the longer match, then fewer in flight, then the least recently chosen.
+        top = top_match(v, order)
+        least = v.tokens - min(top * v.block_size, v.tokens)
+        chosen = argmin(order, lambda r: (self.cost(v, r, least), -v.match[r], v.inflight[r]))
         return chosen, generic_reason(v, order, chosen)
 
     def extends_match(self) -> bool:

@@ -8,7 +8,10 @@ which any idle replica takes the next request. Built from the fleet model's own 
   free queue, one hash table, one LRU order): a block any replica computed is a prefix
   hit on every replica, and a replica may hold more than its share while others hold
   less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
-  so a request is still computed by one replica at one replica's speed.
+  so a request is still computed by one replica at one replica's speed. A replica whose
+  waiting head cannot get blocks (others hold them) waits until a step elsewhere ends,
+  and meanwhile every replica steps one at a time (no batched decode stretch, whose
+  effect the engine model applies at its start) so it gets them when they are freed.
 - Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
   tokens it has yet to compute (waiting, or running before their first token) are fewer
   than one step's token budget (max_num_batched_tokens) and it runs fewer than
@@ -27,6 +30,7 @@ TTFT / p90 TTFT (1.0 = as fast as the ideal), goodput / ideal goodput when measu
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -102,10 +106,38 @@ class _IdealRun(_Run):
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
         req = _Request(c_idx, t_idx, now)
         self.requests.append(req)
+        turn = self.wl.clients[c_idx].turns[t_idx]
+        if -(-(turn.prompt_tokens + turn.output_tokens) // self.wl.block_tokens) > self.kv_blocks:
+            # Longer than one replica's KV memory: rejected as the fleet rejects it, so
+            # both serve the same requests.
+            self.rejected += 1
+            self._complete(req, now)
+            return
         self.central.append((len(self.requests) - 1, req))
         self._dispatch(now)
 
+    def _start_step(self, r: int, now: float) -> None:
+        eng = self.engines[r]
+        # A decode stretch applies its whole effect (blocks freed at its end) at its start:
+        # while a replica waits for blocks, step one at a time so it sees them when freed.
+        parked = any(not b and e.has_work() for b, e in zip(self.busy, self.engines) if e is not eng)
+        res = None if parked else eng.run_decodes(now, self._horizon(now))
+        if res is None:
+            res = eng.step(now)
+        if not res.scheduled and not res.outputs and res.steps == 1:
+            # Nothing fits: its waiting head needs blocks other replicas hold in the
+            # shared pool. It parks until another replica's step ends (_wake).
+            self.busy[r] = False
+            return
+        self.busy[r] = True
+        heapq.heappush(self.events, (res.end, self._next(), r, res))
+
     def _step_end(self, r: int, res: Any, now: float) -> None:
+        # Parked replicas first: the pool is as r's ended step left it, before r's next
+        # step (whose effects the engine applies when it starts) changes it.
+        for other, eng in enumerate(self.engines):
+            if other != r and not self.busy[other] and eng.has_work():
+                self._start_step(other, now)
         super()._step_end(r, res, now)
         self._dispatch(now)
 

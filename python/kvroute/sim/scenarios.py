@@ -209,7 +209,8 @@ def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *
     the module docstring)."""
     rec = result.records
     at = float(scenario.at_s)
-    before = (rec.arrival >= at - baseline_s) & (rec.arrival < at)
+    served = ~np.isnan(rec.ttft)  # requests longer than a replica's KV memory are rejected
+    before = served & (rec.arrival >= at - baseline_s) & (rec.arrival < at)
     base = _hit(rec, before)
     windows = []
     recovery = None
@@ -217,7 +218,7 @@ def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *
     k = 0
     while at + k * window_s <= end:
         lo = at + k * window_s
-        m = (rec.arrival >= lo) & (rec.arrival < lo + window_s)
+        m = served & (rec.arrival >= lo) & (rec.arrival < lo + window_s)
         hit = _hit(rec, m)
         windows.append((lo, hit, _p90(rec.ttft[m])))
         if recovery is None and not math.isnan(hit) and not math.isnan(base) and hit >= recovered * base:
@@ -226,7 +227,7 @@ def measure_recovery(result: SimResult, scenario: Scenario, old_replicas: int, *
     dips = [h for _, h, _ in windows if not math.isnan(h)]
     out = Recovery(base, min(dips) if dips else math.nan, recovery, windows)
     if scenario.kind == "scale-out":
-        first = (rec.arrival >= at) & (rec.arrival < at + window_s)
+        first = served & (rec.arrival >= at) & (rec.arrival < at + window_s)
         new = first & (rec.replica >= old_replicas)
         fair = scenario.add / (old_replicas + scenario.add)
         share = (new.sum() / first.sum() / fair) if first.any() else math.nan
