@@ -187,3 +187,20 @@ def test_cache_keys_separate_lora_and_salt(engines, tmp_path):
         assert lines[2]["lora"] == "fake-lora" and lines[0]["lora"] is None
     finally:
         gw.stop()
+
+
+def test_client_gone_before_first_byte():
+    """A client that leaves while the engine has not answered yet: the engine's request is
+    aborted and the router's load released."""
+    slow = Engine("ttft", ttft=30).start().wait()
+    gw = gateway_for([slow])
+    try:
+        c = client(gw, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            c.chat.completions.create(model="fake-model", messages=MESSAGES)
+        assert wait_until(lambda: slow.stats()["aborted"] == 1, 10)
+        assert wait_until(lambda: gw.app.router.load("ttft")["in_flight"] == 0, 10)
+        assert gw.app.fleet.get("ttft").in_flight == 0
+    finally:
+        gw.stop()
+        slow.kill()

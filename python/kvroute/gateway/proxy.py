@@ -181,6 +181,9 @@ class Proxy:
         except UpstreamError:
             resp.release()
             raise
+        except BaseException:  # cancelled (the client left) while waiting for the first byte
+            resp.close()
+            raise
         return resp, first
 
     async def _run(self, path: str, body: bytes, prompt: Prompt, timing: list[float], scope: Scope,
