@@ -42,8 +42,8 @@ from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARK_BEGIN = "<!-- bench_gateway begin -->"
-MARK_END = "<!-- bench_gateway end -->"
+MARK_BEGIN = "<!-- begin: bench_gateway -->"
+MARK_END = "<!-- end: bench_gateway -->"
 
 
 def free_port() -> int:
@@ -194,18 +194,32 @@ def short_trace(path: str, n: int) -> str:
 
 
 def overhead(args: argparse.Namespace, peers: dict[str, str]) -> list[dict[str, Any]]:
+    """Every target in turn, `--rounds` times, all gateways up throughout; per target the
+    median over rounds of each figure (machine noise moves whole rounds)."""
     fleet = Fleet(1, 0.001, args.logdir)
-    rows = []
     trace = short_trace(os.path.join(args.logdir, "short.jsonl"), args.overhead_requests)
     extra = ["--workload", "trace", trace, "--concurrency", "1"]
-    with fleet.run():
-        direct = bench(fleet.urls()[0], "direct", extra, 1, args.logdir)
-        rows.append(direct)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with fleet.run(), contextlib.ExitStack() as stack:
+        targets = [("direct", fleet.urls()[0])]
         for label, cmd, url in gateways(fleet, peers, None, args.logdir):
-            with with_gateway(cmd, url, args.logdir, label):
-                rows.append(bench(url, label, extra, 1, args.logdir))
-        rows.append(bench(fleet.urls()[0], "direct (again)", extra, 1, args.logdir))
-    return rows
+            stack.enter_context(with_gateway(cmd, url, args.logdir, label))
+            targets.append((label, url))
+        for _ in range(args.rounds):
+            for label, url in targets:
+                runs.setdefault(label, []).append(bench(url, label, extra, 1, args.logdir))
+    return [_median_row(label, rows) for label, rows in runs.items()]
+
+
+def _median_row(label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    import statistics
+
+    out = dict(rows[0], label=label, rounds=len(rows))
+    for key in ("ttft_p50", "ttft_p99", "ttft_p90", "e2e_p50", "throughput_rps"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    out["errors"] = sum(r["errors"] for r in rows)
+    return out
 
 
 def max_rate(args: argparse.Namespace, peers: dict[str, str]) -> list[dict[str, Any]]:
@@ -232,22 +246,44 @@ def chat(args: argparse.Namespace, peers: dict[str, str]) -> list[dict[str, Any]
     return rows
 
 
+def peer_versions(peers: dict[str, str]) -> dict[str, str]:
+    """name -> installed version (read with the peer's own interpreter)."""
+    out = {}
+    for name, path in peers.items():
+        python = os.path.join(os.path.dirname(path), "python")
+        dist = "smg" if name == "smg" else "vllm-router"
+        try:
+            out[name] = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version('{dist}'))"],
+                                       capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out[name] = "?"
+    return out
+
+
 def _ms(v: Any) -> str:
     return "-" if v is None else f"{v * 1e3:.2f}"
 
 
-def table(over: list[dict[str, Any]], rate: list[dict[str, Any]], chats: list[dict[str, Any]], cmd: str) -> str:
+def table(over: list[dict[str, Any]], rate: list[dict[str, Any]], chats: list[dict[str, Any]], cmd: str,
+          versions: dict[str, str]) -> str:
+    peers = ", ".join(f"{k} {v}" for k, v in versions.items()) or "none found"
     lines = [MARK_BEGIN, "## Gateway: kvroute serve vs direct and peer gateways", "",
              f"`{cmd}` (benchmarks/bench_gateway.py), on this machine's loopback with emulated engines "
-             f"(`kvroute emulate`); one run each, so read differences of a few tenths of a millisecond as noise.", "",
-             "Added latency per request (1 engine, chat API, 600-token prompts, one request at a time; TTFT "
-             "through the gateway minus direct TTFT, mean of the two direct runs):", "",
+             f"(`kvroute emulate`), {os.cpu_count()} CPUs shared with other work; one run each (the latency "
+             f"rounds: medians). Peers: {peers} "
+             "(PyPI manylinux abi3 wheels; `pip download --no-deps smg vllm-router` found both, and they install "
+             "without torch or CUDA: smg needs setproctitle, grpcio, grpcio-health-checking, pyyaml; vllm-router "
+             "needs setproctitle, aiohttp, orjson, uvicorn, fastapi, requests).", "",
+             "Added latency per request (1 engine, chat API, 600-token prompts, one request at a time; every "
+             "target in turn, repeated; medians over the rounds; added = TTFT through the gateway minus direct "
+             "TTFT):", "",
              "| target | TTFT p50 ms | TTFT p99 ms | added p50 ms | added p99 ms | errors |", "|---|---|---|---|---|---|"]
-    directs = [r for r in over if r["label"].startswith("direct")]
+    directs = [r for r in over if r["label"] == "direct"] or [{"ttft_p50": 0.0, "ttft_p99": 0.0}]
     d50 = sum(r["ttft_p50"] for r in directs) / len(directs)
     d99 = sum(r["ttft_p99"] for r in directs) / len(directs)
     for r in over:
         added = r["label"].startswith("direct")
+        r = dict(r, label=f"{r['label']} ({r.get('rounds', 1)} rounds)")
         lines.append(f"| {r['label']} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p99'])} | "
                      f"{'-' if added else _ms(r['ttft_p50'] - d50)} | {'-' if added else _ms(r['ttft_p99'] - d99)} | "
                      f"{r['errors']} |")
@@ -282,24 +318,28 @@ def main() -> int:
     p.add_argument("--peers-venv", default=None, help="a virtualenv holding smg and vllm-router")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--quick", action="store_true", help="short runs (a smoke test of the script)")
-    p.add_argument("--overhead-requests", type=int, default=400)
+    p.add_argument("--overhead-requests", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=3, help="overhead: rounds over all targets (median reported)")
     p.add_argument("--rate-requests", type=int, default=2000)
     p.add_argument("--chat-duration", type=float, default=60.0)
+    p.add_argument("--only", choices=("overhead", "rate", "chat"), action="append", default=None,
+                   help="run only these measurements (repeatable)")
     p.add_argument("--write", default=None, metavar="MD", help="put the table into this markdown file")
     p.add_argument("--json", default=None, metavar="PATH", help="raw summaries")
     p.add_argument("--logdir", default=None)
     args = p.parse_args()
     if args.quick:
-        args.overhead_requests, args.rate_requests, args.chat_duration = 50, 200, 10.0
+        args.overhead_requests, args.rate_requests, args.chat_duration, args.rounds = 50, 200, 10.0, 1
     args.logdir = args.logdir or os.path.join(ROOT, "build", "bench_gateway")
     os.makedirs(args.logdir, exist_ok=True)
     peers = {} if args.no_peers else find_peers(args.peers_venv)
     print(f"peers: {peers or 'none found'}; logs in {args.logdir}", file=sys.stderr)
-    over = overhead(args, peers)
-    rate = max_rate(args, peers)
-    chats = chat(args, peers)
+    only = set(args.only or ("overhead", "rate", "chat"))
+    over = overhead(args, peers) if "overhead" in only else []
+    rate = max_rate(args, peers) if "rate" in only else []
+    chats = chat(args, peers) if "chat" in only else []
     cmd = "python benchmarks/bench_gateway.py " + " ".join(sys.argv[1:])
-    block = table(over, rate, chats, cmd.strip())
+    block = table(over, rate, chats, cmd.strip(), peer_versions(peers))
     print(block)
     if args.json:
         with open(args.json, "w") as f:

@@ -365,3 +365,16 @@ def test_nesting_depth_limit_is_the_same(depth):
 
     ok, error = both(run)
     assert ok == (depth <= 32) and (ok or error == "payload is not valid msgpack")
+
+
+def test_resync_keeps_the_engine_block_the_router_configured():
+    def run(M):
+        idx, a = fresh(M)
+        idx.set_engine_block(0, 2)  # e.g. Router.add_replica(engine_block_size=32)
+        a.apply(0, batch([stored("vllm-map", [1, 2], None, T[:64], 32)]))
+        a.clear_replica(0)
+        kept = idx.engine_block(0), a.replica_stats(0)["engine_block"], idx.blocks(0)
+        a.apply(0, batch([stored("vllm-map", [1], None, T[:64], 64)]))  # a restart with 64
+        return kept, idx.engine_block(0)
+
+    assert both(run) == ((2, 2, 0), 4)

@@ -45,7 +45,7 @@ class EngineStreams(RuleBasedStateMachine):
     def _request(self, base, keep, tail):
         tokens = BASES[base][: keep * 16] + tail
         if tokens not in self.probes:
-            self.probes = (self.probes + [tokens])[-12:]
+            self.probes = (self.probes + [tokens])[-6:]
         return tokens
 
     @rule(r=st.integers(0, 1), base=st.integers(0, 2), keep=st.integers(0, 6),

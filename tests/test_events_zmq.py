@@ -22,7 +22,8 @@ BASE = list(range(5000, 5000 + 128))
 
 ZERO = dict(gaps=0, replays=0, resyncs=0, restarts=0, malformed=0, bad_frames=0, duplicates=0)
 
-SPEAKERS = [("vllm-array", "old"), ("vllm-map", "new"), ("sglang", "old")]
+# SGLang 0.5.18 replies [seq, payload]; 0.5.23 like vLLM 0.33 [topic, seq, payload] (kv-events.md D).
+SPEAKERS = [("vllm-array", "old"), ("vllm-map", "new"), ("sglang", "old"), ("sglang", "new")]
 
 
 @pytest.mark.parametrize("impl_name", ["native", "reference"])

@@ -149,3 +149,37 @@ class FollowerVsPublisher(RuleBasedStateMachine):
 # Pure Python and fast: the profile's example count (HYPOTHESIS_PROFILE), longer runs.
 FollowerVsPublisher.TestCase.settings = settings(stateful_step_count=40, deadline=None)
 test_follower_vs_publisher = FollowerVsPublisher.TestCase
+
+
+def _follower(replay):
+    ops = FakeOps()
+    f = Follower(ops, replay=replay, max_attempts=2, max_buffer_bytes=1000, replay_timeout=IDLE,
+                 replay_max_seconds=3.0, probe_interval=PROBE)
+    return ops, f
+
+
+def test_without_replay_a_gap_resyncs_and_a_new_connection_starts_over():
+    ops, f = _follower(replay=False)
+    for s in range(3):
+        f.on_live(s, f"0:{s}".encode(), 0.0)
+    f.on_live(5, b"0:5", 0.0)  # 3 and 4 lost: cleared, followed on from 5
+    assert ops.applied == [(0, 5)] and f.c.gaps == 1 and f.c.resyncs == 1
+    f.on_reconnect(0.0)  # maybe a new process, nothing to check it against
+    assert ops.applied == [] and f.c.resyncs == 2 and f.last_seq == -1
+    f.on_live(0, b"1:0", 0.0)
+    assert ops.applied == [(1, 0)] and f.c.restarts == 0
+    f.tick(100.0)
+    assert ops.open is None  # no replay endpoint: never probed
+
+
+def test_a_connection_to_a_bound_socket_is_only_probed():
+    ops, f = _follower(replay=True)
+    for s in range(2):
+        f.on_live(s, f"0:{s}".encode(), 0.0)
+    f.on_reconnect(0.0, exclusive=False)  # another publisher reached our bound socket
+    assert ops.open == 1 and ops.applied == [(0, 0), (0, 1)]
+    f.on_live(2, b"0:2", 0.0)  # held until the probe answers
+    assert ops.applied == [(0, 0), (0, 1)] and f.buffered_bytes > 0
+    f.on_reply(1, b"0:1", 0.0)  # the anchor, unchanged: same process
+    f.on_end(0.0)
+    assert ops.applied == [(0, 0), (0, 1), (0, 2)] and f.c.restarts == f.c.resyncs == 0

@@ -6,6 +6,10 @@ bytes, requests in flight, engine-hash map entries, eviction log length), which 
 read exactly on both implementations; where a counter could lie about native memory, the
 process's resident set is checked too, with a margin far below what an unbounded structure
 would take.
+
+Replay streams are flooded where the subscriber's publishers live: tests/test_events_sequence.py
+(a replay that never ends stays within max_buffer_bytes and stalls no other publisher; held
+batches beyond a hole are capped).
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 
 from conftest import load_impl
 from kvroute.config import RouterConfig

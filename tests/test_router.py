@@ -52,7 +52,7 @@ def test_config_defaults_and_params():
         "cache_threshold": 0.5,
         "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5,
-        "min_match_tokens": 256,
+        "min_match_tokens": 64,
     }
     assert RouterConfig().policy == "ttft"
     assert RouterConfig(policy="sticky").params == {"vnodes": 64, "bound": None}

@@ -178,7 +178,7 @@ kvroute.reference.events.)doc")
                 py::gil_scoped_release release;  // drops every block of the replica
                 a.clear_replica(r);
             },
-            py::arg("replica"), "Forget everything about the replica (a resync): maps, indexed blocks, learned engine block size.")
+            py::arg("replica"), "Forget everything about the replica (a resync): its maps and indexed blocks.")
         .def(
             "stats",
             [](const EventApplier& a) {

@@ -107,6 +107,9 @@ void tokens_from_sequence(py::handle tokens, std::vector<std::uint32_t>& out) {
     out.resize(static_cast<std::size_t>(n));
     bool snapshot = PyTuple_Check(seq.ptr());
     for (Py_ssize_t i = 0; i < n; ++i) {
+        // Only a finalizer run by a collection could resize the list here; never read past it.
+        if (PySequence_Fast_GET_SIZE(seq.ptr()) != n)
+            throw StateError(std::string("tokens") + " changed size during conversion");
         PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
         const auto at = static_cast<std::size_t>(i);
         if (PyLong_CheckExact(item)) {

@@ -248,8 +248,8 @@ struct EventApplier::Impl {
     }
 
     void set_k(std::int64_t r, ReplicaState& st, std::uint64_t k) {
-        if (k == st.k) return;
         st.k = k;
+        if (k == index->engine_block(r)) return;  // learned before, or configured on the router
         index->set_engine_block(r, k);
         if (tier) {
             grow(*tier, r);
@@ -755,8 +755,6 @@ void EventApplier::clear_replica(std::int64_t r) {
     m.check_mutating(r);
     ReplicaState& st = m.state(r);
     m.clear(r, st);
-    st.engine_block_size.reset();
-    m.set_k(r, st, 1);
 }
 
 EventApplierStats EventApplier::stats() const {
@@ -771,6 +769,7 @@ ReplicaEventStats EventApplier::replica_stats(std::int64_t r) const {
     ReplicaEventStats out;
     out.salt = m.salt;
     out.index_blocks = m.index->blocks(r);
+    out.engine_block = m.index->engine_block(r);
     if (m.tier && r < static_cast<std::int64_t>(m.tier->num_replicas()) && m.tier->is_live(r))
         out.tier_blocks = m.tier->blocks(r);
     const auto i = static_cast<std::size_t>(r);
@@ -783,7 +782,6 @@ ReplicaEventStats EventApplier::replica_stats(std::int64_t r) const {
         if ((st.group_mask >> g) & 1) out.groups.push_back(static_cast<std::uint32_t>(g));
     std::copy(std::begin(st.skipped), std::end(st.skipped), std::begin(out.skipped));
     out.engine_block_size = st.engine_block_size;
-    out.engine_block = st.k;
     out.last_ts = st.last_ts;
     return out;
 }

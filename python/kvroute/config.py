@@ -17,21 +17,21 @@ turns whatever the pattern of ties (a rotation offset that advanced on every dec
 sent every first turn of 8-turn conversations to one replica of 8, sglang #32983).
 
 Cache-aware policies (linear, sglang, dynamo, llmd, preble, ttft) also take
-`min_match_tokens` (MIN_MATCH_TOKENS = 256): a replica whose match covers fewer prompt
+`min_match_tokens` (MIN_MATCH_TOKENS = 64): a replica whose match covers fewer prompt
 tokens scores as if it matched nothing (Decision.matched_blocks and the load accounting
-still report the real match). Unrelated prompts that share only a chat template or a
-short system prompt then spread as unrelated prompts do instead of piling onto the
-replica that saw the template first. The default is from `kvroute simulate` (chat
-workload, 8 replicas, precise, ttft; hit rate / mean TTFT s): with no shared template
-0 to 256 are identical (47.3% / 0.856) and 512 hurts (44.8% / 0.911); with a 32-token
-template 0 gives 43.7% / 0.935 and 64 or 256 give 44.7% / 0.911; with a 128-token
-template 0 and 64 give 44.9% / 0.920 and 256 gives 45.4% / 0.900. 256 is the largest
-value that costs nothing where no template is shared. 0 restores matching on any block.
+still report the real match). Unrelated prompts that share only a chat template (the
+32-token case of sglang #32983) then spread as unrelated prompts do instead of piling
+onto the replica that saw the template first. The default is from `kvroute simulate`
+(chat workload, 8 replicas, precise knowledge, engine-model fleet; hit rate / mean TTFT /
+p90 TTFT): ttft 64 -> 35.7% / 1.90 s / 4.93 s, 256 -> 34.7% / 1.94 s / 5.70 s; linear
+0 -> 32.1% / 1.91 s, 64 -> 33.5% / 1.86 s, 256 -> 32.4% / 2.01 s. 64 (four blocks of 16)
+is the best of these for both and still ignores a 32-token template; larger thresholds
+also ignore real reuse of short histories. 0 restores matching on any block.
 
 =============  =====================================================================
 policy         rule and parameters
 =============  =====================================================================
-round_robin    next eligible replica in rotation. No parameters.
+round_robin    the least recently chosen eligible replica. No parameters.
 random         uniform among eligible replicas, from the seeded generator.
 least_loaded   fewest in-flight requests.
 power_of_two   two distinct replicas drawn from the seeded generator; the one with
@@ -42,7 +42,7 @@ sticky         consistent hashing of the session (else the prompt's first block)
                ceil(c * (in_flight_total + 1) / eligible); a replica at capacity is
                skipped and the walk continues along the ring.
 linear         score = w_affinity (1.0) * matched_tokens - w_load (1.0) * queued
-               prefill tokens, argmax; a match shorter than min_match_tokens (256)
+               prefill tokens, argmax; a match shorter than min_match_tokens (64)
                counts as 0. Escape: if the best-affinity replica's queued prefill
                tokens exceed escape_factor (1.5) times the eligible mean, the least
                loaded (queued prefill tokens) replica is chosen instead.
@@ -117,7 +117,7 @@ from typing import Any, NoReturn
 from .reference.hashing import MAX_BLOCK_SIZE, salt_bytes
 
 #: Default of every cache-aware policy's min_match_tokens (see the module docstring).
-MIN_MATCH_TOKENS = 256
+MIN_MATCH_TOKENS = 64
 
 #: policy -> {parameter: default}. A parameter with default None is optional.
 POLICY_PARAMS: dict[str, dict[str, Any]] = {

@@ -95,7 +95,8 @@ public:
                               const std::string* medium);
     /// Gives the replica its own salt (null: the applier's again) for chains started later.
     void set_salt(std::int64_t r, const std::string* salt);
-    /// Forgets the replica: maps, blocks in both indexes, learned engine block size.
+    /// Forgets the replica (a resync): maps, blocks in both indexes; salt, counters and the
+    /// index's engine block stay.
     void clear_replica(std::int64_t r);
 
     /// Counters.

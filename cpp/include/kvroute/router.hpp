@@ -54,7 +54,7 @@ struct RouterOptions {
 struct Decision {
     std::string replica;               ///< chosen replica's name
     std::int64_t replica_id = 0;       ///< its dense id
-    std::int64_t matched_blocks = 0;   ///< leading prompt blocks it holds (ttft: pending ones too)
+    std::int64_t matched_blocks = 0;   ///< leading prompt blocks it holds (ttft: pending ones too), whole engine blocks
     std::int64_t cached_tokens = 0;    ///< min(matched_blocks * block_size, prompt_tokens)
     std::int64_t prompt_tokens = 0;    ///< tokens of the prompt
     const char* reason = "";           ///< session/affinity/load/miss/balance/hash/overflow

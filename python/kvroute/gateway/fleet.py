@@ -63,7 +63,9 @@ class Fleet:
         rid = add_to_router(self.router, spec)
         rep = Replica(spec, rid, self.metrics.replica(spec.name),
                       Breaker(self.config.breaker_backoff, self.config.breaker_max_backoff),
-                      record_routes=mode == "precise" and spec.events is None)
+                      # approximate mode records every route itself; hybrid's own records expire
+                      # after speculative_ttl, too soon for a replica with no events at all
+                      record_routes=mode != "approximate" and spec.events is None)
         rep.metrics.breaker_state(CLOSED)
         if spec.events is not None and mode != "approximate":
             try:

@@ -45,10 +45,11 @@ class UpstreamError(Exception):
 class _Flight:
     """One request's routing state, released exactly once."""
 
-    __slots__ = ("decision", "replica", "prefilled", "done")
+    __slots__ = ("decision", "replica", "prefilled", "done", "score_s")
 
-    def __init__(self, decision: Any, replica: Replica) -> None:
+    def __init__(self, decision: Any, replica: Replica, score_s: float) -> None:
         self.decision, self.replica, self.prefilled, self.done = decision, replica, False, False
+        self.score_s = score_s
 
 
 class Proxy:
@@ -134,7 +135,8 @@ class Proxy:
             d = self.router.route_hashes(hashes, len(prompt.tokens), session=prompt.session)
         except (RuntimeError, ValueError) as e:
             raise HTTPError(503, f"no replica can take the request: {e}") from e
-        self.metrics.stage["score"].observe(time.perf_counter() - t0)
+        score_s = time.perf_counter() - t0
+        self.metrics.stage["score"].observe(score_s)
         rep = self.fleet.replicas.get(d.replica)
         if rep is None:  # removed between route and here: cannot happen on one loop
             self.router.finish(d.handle)
@@ -144,7 +146,7 @@ class Proxy:
         rep.in_flight += 1
         rep.metrics.in_flight.inc()
         rep.metrics.request(d.reason)
-        return _Flight(d, rep)
+        return _Flight(d, rep, score_s)
 
     def _release(self, f: _Flight) -> None:
         if f.done:
@@ -186,8 +188,9 @@ class Proxy:
         t0 = time.perf_counter()
         arrived = time.monotonic()
         hashes = hash_prompt(prompt.tokens, self.block_size, self.salt, prompt.lora, prompt.cache_salt, prompt.mm)
+        timing.append(time.perf_counter() - t0)
         self.metrics.stage["tokenize"].observe(timing[0])
-        self.metrics.stage["hash"].observe(time.perf_counter() - t0)
+        self.metrics.stage["hash"].observe(timing[1])
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _HOP]
         try:
             flight = self._route(prompt, hashes)
@@ -277,7 +280,8 @@ class Proxy:
         line = {"t": time.time(), "replica": d.replica, "reason": d.reason, "binding": d.binding,
                 "prompt_tokens": d.prompt_tokens, "cached_tokens": d.cached_tokens,
                 "matched_blocks": d.matched_blocks, "session": prompt.session, "lora": prompt.lora,
-                "attempt": attempt, "tokenize_us": round(timing[0] * 1e6, 1)}
+                "attempt": attempt, "tokenize_us": round(timing[0] * 1e6, 1), "hash_us": round(timing[1] * 1e6, 1),
+                "score_us": round(f.score_s * 1e6, 1)}
         self.decision_log.write(json.dumps(line) + "\n")
 
 

@@ -648,14 +648,13 @@ class EventApplier:
                 st.root = xxhash.xxh3_64_intdigest(st.salt, 0)
 
     def clear_replica(self, replica: int) -> None:
-        """Forget everything about the replica (a resync): its maps, its blocks in both
-        indexes and its learned engine block size; its salt and counters stay."""
+        """Forget everything about the replica (a resync): its maps and its blocks in both
+        indexes. Its salt, counters and engine block (k on the index) stay: a resync does not
+        change the engine's configuration, and the next store sets k again anyway."""
         with self._lock:
             r = self._check_replica(replica, mutating=True)
             st = self._state(r)
             self._clear(r, st)
-            st.engine_block_size = None
-            self._set_k(r, st, 1)
 
     def stats(self) -> dict[str, Any]:
         """Counters over all replicas: batches, events, ignored_events (unknown types),
@@ -684,7 +683,7 @@ class EventApplier:
                 "index_blocks": self._index.blocks(r),
                 "tier_blocks": self._tier_blocks(r),
                 "engine_block_size": st.engine_block_size,
-                "engine_block": st.k,
+                "engine_block": self._index.engine_block(r),
                 "groups": sorted(st.groups),
                 "skipped": dict(st.skipped),
                 "last_ts": st.last_ts,
@@ -830,9 +829,9 @@ class EventApplier:
         self._set_k(r, st, min(k, MAX_ENGINE_BLOCK))
 
     def _set_k(self, r: int, st: _Replica, k: int) -> None:
-        if k == st.k:
-            return
         st.k = k
+        if k == self._index.engine_block(r):  # learned before, or configured on the router
+            return
         self._index.set_engine_block(r, k)
         if self._tier is not None:
             self._grow(self._tier, r)

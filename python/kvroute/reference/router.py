@@ -85,7 +85,8 @@ class Decision:
     """Where a request goes and why; `handle` is for prefill_done() and finish().
 
     replica/replica_id: the chosen replica. matched_blocks: leading blocks of the prompt
-    it holds (ttft: or will hold once the requests queued there before it prefill);
+    it holds (ttft: or will hold once the requests queued there before it prefill),
+    rounded down to whole engine blocks of that replica;
     cached_tokens: min(matched_blocks * block_size, prompt_tokens).
     reason: "session", "affinity", "load", "miss", "balance", "hash" or "overflow" (see
     kvroute.config). binding: "none" (no session), "new", "kept" or "rebound".
