@@ -94,11 +94,17 @@ def test_ideal_on_chat():
 
 
 def test_a_replica_waits_for_blocks_another_holds():
-    # The shared pool holds 200 blocks. A (150 blocks + 10 output tokens) runs on replica
-    # 0 until 2.41 s (prefill) + 9 x 11 ms (decodes) = 2.509 s; B (100 blocks), arriving at
-    # 0.1 s on the idle replica 1, cannot get 101 blocks until A frees its own.
-    a = Turn(np.arange(1, 151, dtype=np.uint64), 150 * 16, 10, np.arange(1, 151, dtype=np.uint64))
-    b = Turn(np.arange(1000, 1100, dtype=np.uint64), 100 * 16 + 8, 1, np.arange(1000, 1100, dtype=np.uint64))
-    res = simulate_ideal(_wl([Client(0.0, (a,)), Client(0.1, (b,))]), FLEET)
-    assert res.records.replica.tolist() == [0, 1]
-    assert res.records.ttft.tolist() == pytest.approx([2.41, 2.509 + 0.01 + 1.608 - 0.1])
+    # The shared pool holds 200 blocks. A1 (90 blocks, 30 output tokens) runs on replica 0
+    # and A2 (90 blocks, 2 output tokens) on replica 1, both prefilled by 1.45 s; B (90
+    # blocks + 8 tokens) arrives at 0.1 s, joins replica 0 (both busy: the lowest index)
+    # and cannot get its 91 blocks while A1 and A2 hold 182. A2 finishes with its decode
+    # step at 1.461 s; replica 0's step starting then admits B beside A1's decode:
+    # 10 ms + 1,449 tokens x 1 ms = 1.459 s, TTFT 1.461 + 1.459 - 0.1.
+    def turn(base: int, extra: int, out: int) -> Turn:
+        chain = np.arange(base, base + 90, dtype=np.uint64)
+        return Turn(chain, 90 * 16 + extra, out, chain)
+
+    wl = _wl([Client(0.0, (turn(1, 0, 30),)), Client(0.0, (turn(1000, 0, 2),)), Client(0.1, (turn(5000, 8, 1),))])
+    res = simulate_ideal(wl, FLEET)
+    assert res.records.replica.tolist() == [0, 1, 0]
+    assert res.records.ttft.tolist() == pytest.approx([1.45, 1.45, 1.461 + 1.459 - 0.1])

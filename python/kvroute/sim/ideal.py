@@ -9,9 +9,10 @@ which any idle replica takes the next request. Built from the fleet model's own 
   hit on every replica, and a replica may hold more than its share while others hold
   less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
   so a request is still computed by one replica at one replica's speed. A replica whose
-  waiting head cannot get blocks (others hold them) waits until a step elsewhere ends,
-  and meanwhile every replica steps one at a time (no batched decode stretch, whose
-  effect the engine model applies at its start) so it gets them when they are freed.
+  waiting head cannot get blocks (others hold them) waits until a step elsewhere ends;
+  while any replica has a request waiting, every replica steps one at a time (no batched
+  decode stretch, whose effect the engine model applies at its start) so the waiting
+  request gets blocks when they are freed, not before.
 - Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
   tokens it has yet to compute (waiting, or running before their first token) are fewer
   than one step's token budget (max_num_batched_tokens) and it runs fewer than
@@ -119,9 +120,10 @@ class _IdealRun(_Run):
     def _start_step(self, r: int, now: float) -> None:
         eng = self.engines[r]
         # A decode stretch applies its whole effect (blocks freed at its end) at its start:
-        # while a replica waits for blocks, step one at a time so it sees them when freed.
-        parked = any(not b and e.has_work() for b, e in zip(self.busy, self.engines) if e is not eng)
-        res = None if parked else eng.run_decodes(now, self._horizon(now))
+        # while any replica has a request waiting (for blocks of the shared pool), every
+        # replica steps one at a time so the waiting one gets blocks when they are freed.
+        waiting = any(e.load()[0] for e in self.engines)
+        res = None if waiting else eng.run_decodes(now, self._horizon(now))
         if res is None:
             res = eng.step(now)
         if not res.scheduled and not res.outputs and res.steps == 1:
