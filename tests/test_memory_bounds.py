@@ -33,6 +33,12 @@ def rss() -> int:
         return 0
 
 
+def rss_is_meaningful() -> bool:
+    """False under AddressSanitizer (scripts/sanitize.sh), whose quarantine keeps freed
+    memory resident by design; the counters are checked there all the same."""
+    return "libasan" not in os.environ.get("LD_PRELOAD", "")
+
+
 def unique_prompt(i: int, blocks: int = 4, block_size: int = 16) -> np.ndarray:
     """A prompt no other i shares a first block with."""
     out = np.arange(blocks * block_size, dtype=np.int64) + 7
@@ -79,7 +85,8 @@ def test_session_id_bytes_stay_within_max_session_bytes(impl):
         stats = router.stats()
         assert stats["session_bytes"] <= limit
     assert stats["sessions"] <= 4
-    assert rss() - before < 16 * MIB
+    if rss_is_meaningful():
+        assert rss() - before < 16 * MIB
 
 
 def test_leaked_handles_expire_after_request_ttl(impl):
