@@ -330,7 +330,7 @@ def ray_cluster() -> Any:
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(http_options={"location": "NoServer"})
+    serve.start(proxy_location="Disabled")
     yield ray, serve
     serve.shutdown()
     ray.shutdown()

@@ -26,7 +26,6 @@ the router's own process: a decision is one in-process `Router.route` call.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, List, Optional
 
 from ray.serve.request_router import (
@@ -39,15 +38,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from .ray_core import RayRouterSettings, RayRoutingCore, rank_replicas
-
-_INSTANCES: "weakref.WeakSet[KvrouteRequestRouter]" = weakref.WeakSet()
-
-
-def instances() -> list["KvrouteRequestRouter"]:
-    """The KvrouteRequestRouter objects alive in this process (Ray builds one per
-    deployment handle / proxy), for stats and tests."""
-    return list(_INSTANCES)
+from .ray_core import RayRouterSettings, RayRoutingCore, instances, rank_replicas, register
 
 
 class KvrouteRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -59,7 +50,7 @@ class KvrouteRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Called by Ray with request_router_kwargs: build the kvroute Router."""
         self.core = RayRoutingCore(RayRouterSettings(**kwargs))
         self.core.sync_replicas(self._replicas)
-        _INSTANCES.add(self)
+        register(self)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         """Ray's replica set changed: kvroute's follows (added ones join, gone ones leave)."""

@@ -33,12 +33,30 @@ Replica names in kvroute are Ray's `ReplicaID.unique_id` (any hashable id with a
 from __future__ import annotations
 
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 from .. import Router, RouterConfig
 from .ray_keys import KeyExtractor, PromptKey
+
+# Ray ships a custom router class to each handle by value (cloudpickle with its module
+# registered by value, ray/serve/config.py), which copies that module's globals; this
+# module is pickled by reference, so the registry below is the process's one registry.
+_ROUTERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def register(router: Any) -> None:
+    """Record a live KvrouteRequestRouter (see instances())."""
+    _ROUTERS.add(router)
+
+
+def instances() -> list[Any]:
+    """The KvrouteRequestRouter objects alive in this process (Ray builds one per
+    deployment handle or proxy), for stats, benchmarks and tests."""
+    return list(_ROUTERS)
+
 
 #: Default bound on the table of reservations kept for Ray requests in flight.
 MAX_REQUESTS = 100_000
@@ -246,4 +264,4 @@ def rank_replicas(candidates: Sequence[Any], chosen_id: Any, preferred: Any) -> 
     return [rank for rank in ranks if rank]
 
 
-__all__ = ["rank_replicas", "RayRoutingCore", "RayRouterSettings", "replica_name", "MAX_REQUESTS"]
+__all__ = ["instances", "register", "rank_replicas", "RayRoutingCore", "RayRouterSettings", "replica_name", "MAX_REQUESTS"]
