@@ -5,7 +5,7 @@ GPU: each replica holds one `Engine` (paged KV memory with a prefix cache), so p
 are real and depend on where requests were routed. No Ray import here: wrap the class with
 `serve.deployment(SimEngineReplica)`.
 
-Request (a dict, like Ray Serve LLM's request objects carry it): `prompt` (str),
+Request: a dict or a SimRequest (fields as Ray Serve LLM's request objects carry them): `prompt` (str),
 `messages` (chat) or `prompt_token_ids`, `max_tokens` (default 8); other fields (e.g. a
 session id) are ignored by the replica. Text is tokenized with kvroute's built-in
 byte-level tokenizer (chat: its ChatML-like template), the same text the router's
@@ -25,12 +25,30 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..sim.engine import Engine, EngineConfig, EngineRequest
 from ..tokenize import load_tokenizer
+
+@dataclass
+class SimRequest:
+    """A request object with attributes, as Ray Serve LLM's are (Ray's own
+    PrefixCacheAffinityRouter reads `messages` / `prompt` as attributes only)."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 8
+    user: str | None = None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """Mapping-style access, so replicas read dicts and SimRequests alike."""
+        value = getattr(self, name, None)
+        return default if value is None else value
+
 
 #: Shortest sleep of the driver loop when a step scheduled nothing (waiting for memory).
 IDLE_S = 0.002
@@ -58,18 +76,18 @@ class SimEngineReplica:
         self._driver: asyncio.Task[None] | None = None
         self.name = _replica_name()
 
-    def tokens(self, request: Mapping[str, Any]) -> np.ndarray:
+    def tokens(self, request: Mapping[str, Any] | SimRequest) -> np.ndarray:
         """The prompt's token ids (module doc)."""
         if request.get("prompt_token_ids") is not None:
-            return np.asarray(request["prompt_token_ids"], dtype=np.int64)
+            return np.asarray(request.get("prompt_token_ids"), dtype=np.int64)
         if request.get("messages") is not None:
-            return np.asarray(self._tok.encode_chat(list(request["messages"])), dtype=np.int64)
+            return np.asarray(self._tok.encode_chat(list(request.get("messages"))), dtype=np.int64)
         prompt = request.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError("request needs prompt, messages or prompt_token_ids")
         return np.asarray(self._tok.encode(prompt), dtype=np.int64)
 
-    async def __call__(self, request: Mapping[str, Any]) -> dict[str, Any]:
+    async def __call__(self, request: Mapping[str, Any] | SimRequest) -> dict[str, Any]:
         """Run one request through the engine; see the module doc for the answer."""
         rid = f"r{next(self._ids)}"
         loop = asyncio.get_running_loop()
