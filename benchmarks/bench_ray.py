@@ -9,13 +9,16 @@ and writes a table into docs/results.md (between the `bench-ray` markers).
 Routers (benchmarks/ray_timed.py wraps each to time it):
 - kvroute: KvrouteRequestRouter, policy ttft, tokenizer-free text mode (64-byte blocks),
   no session key (pure cache affinity, as Ray's prefix router).
+- kvroute-session: the same, plus session_key="user" (the chat workload's conversation
+  id; Ray's own session_id would do the same): what a deployment that has sessions gets.
+  "kvroute:POLICY" in --routers runs another kvroute policy.
 - ray-prefix: Ray's PrefixCacheAffinityRouter with its defaults (character tree in a
   detached actor; imbalanced_threshold inf, match_rate_threshold 0.1).
 - ray-pow2: Ray's default PowerOfTwoChoicesRequestRouter.
 
 Workloads, chat API (one user message per prompt; both prefix routers see the same text):
 - chat: kvroute.sim.workloads.chat scaled down (users = 4 per replica, 2 conversations
-  each, mean 4 turns, 3,000-token mean final history), users concurrent, turns of a
+  each, mean 4 turns, at most 8, 2,000-token mean final history), users concurrent, turns of a
   conversation back to back (no think time), answers capped at 16 tokens.
 - shared-prefix: kvroute.sim.workloads.shared_prefix (8 groups x 12 prompts, 1,024-token
   system prompt + 64-token question), shuffled, 8 requests in flight.
@@ -51,21 +54,27 @@ MARK = "bench-ray"
 
 
 def router_config(name: str) -> Any:
-    """The RequestRouterConfig of one router, timed."""
+    """The RequestRouterConfig of one router, timed ("kvroute:POLICY" picks a policy;
+    "kvroute-session" also keys sessions on the request's `user` field)."""
     import ray_timed
     from ray.serve.config import RequestRouterConfig
 
-    cls = {"kvroute": ray_timed.TimedKvroute, "ray-prefix": ray_timed.TimedPrefix,
-           "ray-pow2": ray_timed.TimedPow2}[name]
-    kwargs = {"policy": "ttft"} if name == "kvroute" else {}
+    base = name.split(":")[0]
+    cls = {"kvroute": ray_timed.TimedKvroute, "kvroute-session": ray_timed.TimedKvroute,
+           "ray-prefix": ray_timed.TimedPrefix, "ray-pow2": ray_timed.TimedPow2}[base]
+    kwargs: dict[str, Any] = {}
+    if base.startswith("kvroute"):
+        kwargs["policy"] = name.split(":")[1] if ":" in name else "ttft"
+    if base == "kvroute-session":
+        kwargs["session_key"] = "user"
     return RequestRouterConfig(request_router_class=cls, request_router_kwargs=kwargs)
 
 
 def requests(workload: str, replicas: int, seed: int) -> list[list[SimRequest]]:
     """The workload as chains of requests (a chain runs in order; chains run at once)."""
     if workload == "chat":
-        w = wl.chat(wl.ChatParams(sessions_per_replica=4, conversations_per_user=2, mean_turns=4.0,
-                                  history_tokens=3000, start_window=0.0), replicas=replicas, seed=seed)
+        w = wl.chat(wl.ChatParams(sessions_per_replica=4, conversations_per_user=2, mean_turns=4.0, max_turns=8,
+                                  history_tokens=2000, start_window=0.0), replicas=replicas, seed=seed)
     else:
         w = wl.shared_prefix(wl.SharedPrefixParams(groups=8, prompts_per_group=12, system_tokens=1024,
                                                    question_tokens=64, output_tokens=16), seed=seed)
@@ -75,7 +84,7 @@ def requests(workload: str, replicas: int, seed: int) -> list[list[SimRequest]]:
         for t in c.turns:
             key += 1
             chain.append(SimRequest(messages=chat_messages(t, w.block_tokens, key),
-                                    max_tokens=int(min(t.output_tokens, 16))))
+                                    max_tokens=int(min(t.output_tokens, 16)), user=t.session))
         chains.append(chain)
     return chains
 
@@ -99,7 +108,7 @@ async def replay(handle: Any, chains: list[list[SimRequest]], in_flight: int | N
 
 def one_run(serve: Any, router: str, workload: str, args: argparse.Namespace) -> dict[str, Any]:
     """Deploy a fresh fleet behind `router`, replay `workload`, tear it down."""
-    app = f"bench-{router}-{workload}"
+    app = f"bench-{router.replace(':', '-')}-{workload}"
     dep = serve.deployment(SimEngineReplica, name="llm", num_replicas=args.replicas, max_ongoing_requests=64,
                            ray_actor_options={"num_cpus": 0}, request_router_config=router_config(router))
     handle = serve.run(dep.bind(num_kv_blocks=args.kv_blocks, time_scale=1.0), name=app, route_prefix=None)

@@ -388,3 +388,38 @@ def test_real_ray_cluster(ray_cluster: Any) -> None:
     assert st["router_in_flight"] == 0 and st["in_flight"] == 0, st
     serve.delete("kv")
 
+
+
+def test_estimated_first_token_moves_a_request_from_prefill_to_decode() -> None:
+    now = [0.0]
+    core = RayRoutingCore(RayRouterSettings(prefill_rate=1000.0), clock=lambda: now[0])
+    core.sync_replicas(IDS[:1])
+    rid = core.decide("a", [{"prompt": "x" * 640}], {})  # 640 bytes at 1000/s: done at 0.64 s
+    name = replica_name(rid)
+    assert core.router.load(name)["queued_prefill_tokens"] == 640
+    now[0] = 0.5
+    core.decide("b", [{"prompt": "y" * 640}], {})  # queued behind a: done at 0.5 + 1.28 - 0.0
+    assert core.router.load(name)["prefill_requests"] == 2
+    now[0] = 0.7
+    core.decide("c", [{"prompt": "z" * 64}], {})
+    load = core.router.load(name)
+    assert load["prefill_requests"] == 2 and load["decode_blocks"] == 10  # a is decoding now
+    assert core.stats()["estimated_prefills"] == 1
+    core.completed(rid, "a")
+    now[0] = 10.0
+    core.decide("d", [{"prompt": "w" * 64}], {})
+    assert core.stats()["estimated_prefills"] == 3  # b and c; a's entry was stale
+    for r in "bcd":
+        core.completed(rid, r)
+    assert core.router.stats()["in_flight"] == 0
+
+
+def test_estimate_prefill_off_keeps_requests_prefilling() -> None:
+    now = [0.0]
+    core = RayRoutingCore(RayRouterSettings(estimate_prefill=False), clock=lambda: now[0])
+    core.sync_replicas(IDS[:1])
+    rid = core.decide("a", [{"prompt": "x" * 640}], {})
+    now[0] = 100.0
+    core.decide("b", [{"prompt": "y" * 64}], {})
+    assert core.router.load(replica_name(rid))["prefill_requests"] == 2
+    assert core.stats()["estimated_prefills"] == 0

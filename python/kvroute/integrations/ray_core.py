@@ -23,6 +23,13 @@ request, RequestMetadata in ray/serve/_private/common.py):
 - Requests never completed are released by the Router's `request_ttl`; this class's own
   table drops entries older than `request_ttl` too, and holds at most `max_requests`
   (oldest dropped first), so every table here is bounded.
+- Estimated first token: Ray's router never sees a request's first token, and a request
+  still counted as prefilling until it completes would overstate a replica's queued
+  prefill by its whole decode time. So each decision also records when the prefill
+  should be done under kvroute's own FIFO model (the replica's queued prefill tokens,
+  this request's included, over `prefill_rate`), and `Router.prefill_done` is called once
+  that time has passed (checked at each decision; `estimate_prefill=False` turns it off,
+  leaving requests prefilling until they complete). Counted as "estimated_prefills".
 - queue_len(): `Router.report_load(name, waiting=n)`: Ray's ongoing-request count is the
   replica's queue as Ray sees it (used by the llmd policy's queue term).
 
@@ -32,6 +39,7 @@ Replica names in kvroute are Ray's `ReplicaID.unique_id` (any hashable id with a
 
 from __future__ import annotations
 
+import heapq
 import time
 import weakref
 from collections import OrderedDict
@@ -68,6 +76,7 @@ class _Reservation:
     replica: Hashable
     at: float
     released: bool = False
+    prefilled: bool = False
 
 
 def replica_name(replica_id: Any) -> str:
@@ -86,7 +95,8 @@ class RayRouterSettings:
     Hugging Face tokenizer path. text_block_bytes: bytes per block in text mode (the
     Router's block size when no tokenizer is set). session_key: request field with a
     session id (Ray's own session_id always wins). max_requests: bound on the reservation
-    table.
+    table. prefill_rate: tokens (text mode: bytes) per second a replica prefills, for the
+    ttft policy and the estimated first token; estimate_prefill: see the module doc.
     """
 
     policy: str = "ttft"
@@ -101,6 +111,8 @@ class RayRouterSettings:
     index_capacity: int | None = None
     index_ttl: float | None = None
     max_requests: int = MAX_REQUESTS
+    prefill_rate: float = 10_000.0
+    estimate_prefill: bool = True
 
     def router_config(self) -> RouterConfig:
         """The RouterConfig these settings give (its block is bytes in text mode)."""
@@ -114,7 +126,7 @@ class RayRouterSettings:
         return RouterConfig(
             policy=self.policy, params=dict(self.params or {}), block_size=bs, mode=self.mode,
             seed=self.seed, request_ttl=self.request_ttl, index_capacity=self.index_capacity,
-            index_ttl=self.index_ttl,
+            index_ttl=self.index_ttl, prefill_rate=self.prefill_rate,
         )
 
 
@@ -129,9 +141,12 @@ class RayRoutingCore:
         self._names: dict[Hashable, str] = {}
         self._ids: dict[str, Hashable] = {}
         self._requests: OrderedDict[str, _Reservation] = OrderedDict()
+        # (estimated prefill end, sequence, request id, handle); stale entries are skipped.
+        self._prefills: list[tuple[float, int, str, int]] = []
+        self._seq = 0
         self._stats = {
             "decisions": 0, "overridden": 0, "retried": 0, "completed": 0, "stale_completions": 0,
-            "dropped": 0, "keys_tokens": 0, "keys_text": 0, "keys_none": 0, "route_ns": 0,
+            "dropped": 0, "estimated_prefills": 0, "keys_tokens": 0, "keys_text": 0, "keys_none": 0, "route_ns": 0,
         }
 
     # -- replicas -----------------------------------------------------------------------
@@ -174,11 +189,17 @@ class RayRoutingCore:
             return None
         key = self.keys.key(args, kwargs)
         session = self.keys.session(session_id, args, kwargs)
-        d = self._route(key, session, model_id or None)
         now = self._clock()
         self._prune(now)
+        self._estimated_prefills(now)
+        d = self._route(key, session, model_id or None)
         rid = self._ids[d.replica]
         self._requests[request_id] = _Reservation(d.handle, rid, now)
+        if self.settings.estimate_prefill:
+            queued = self.router.load(d.replica)["queued_prefill_tokens"]
+            self._seq += 1
+            heapq.heappush(self._prefills, (now + queued / self.router.config.prefill_rate, self._seq,
+                                            request_id, d.handle))
         self._stats["decisions"] += 1
         self._stats["keys_" + key.kind] += 1
         self._stats["route_ns"] += time.perf_counter_ns() - t0
@@ -221,6 +242,24 @@ class RayRoutingCore:
             self.router.finish(res.handle)
         except RuntimeError:
             pass  # already released by the Router's request_ttl: nothing left to free
+
+    def _estimated_prefills(self, now: float) -> None:
+        """prefill_done for reservations whose estimated prefill end has passed."""
+        heap = self._prefills
+        while heap and heap[0][0] <= now:
+            _, _, request_id, handle = heapq.heappop(heap)
+            res = self._requests.get(request_id)
+            if res is None or res.handle != handle or res.released or res.prefilled:
+                continue
+            res.prefilled = True
+            try:
+                self.router.prefill_done(handle)
+            except RuntimeError:
+                continue  # expired by request_ttl meanwhile
+            self._stats["estimated_prefills"] += 1
+        if len(heap) > 2 * self.settings.max_requests:  # entries of finished requests
+            heap[:] = [e for e in heap if e[2] in self._requests]
+            heapq.heapify(heap)
 
     def _prune(self, now: float) -> None:
         """Drop reservations older than request_ttl, and the oldest beyond max_requests."""

@@ -78,10 +78,11 @@ class SimEngineReplica:
 
     def tokens(self, request: Mapping[str, Any] | SimRequest) -> np.ndarray:
         """The prompt's token ids (module doc)."""
-        if request.get("prompt_token_ids") is not None:
-            return np.asarray(request.get("prompt_token_ids"), dtype=np.int64)
-        if request.get("messages") is not None:
-            return np.asarray(self._tok.encode_chat(list(request.get("messages"))), dtype=np.int64)
+        ids, messages = request.get("prompt_token_ids"), request.get("messages")
+        if ids is not None:
+            return np.asarray(ids, dtype=np.int64)
+        if messages is not None:
+            return np.asarray(self._tok.encode_chat(list(messages)), dtype=np.int64)
         prompt = request.get("prompt")
         if not isinstance(prompt, str):
             raise ValueError("request needs prompt, messages or prompt_token_ids")
