@@ -8,7 +8,9 @@ only when ray is not installed).
 from __future__ import annotations
 
 import asyncio
-import time
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,69 +327,14 @@ def test_ray_router_multiplexed_candidates_rank_second() -> None:
 # -- a real local Ray cluster -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Any:
-    ray = pytest.importorskip("ray")
-    serve = pytest.importorskip("ray.serve")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    serve.start(proxy_location="Disabled")
-    yield ray, serve
-    serve.shutdown()
-    ray.shutdown()
-
-
-def deploy(serve: Any, n: int = 4, **router_kwargs: Any) -> Any:
-    from ray.serve.config import RequestRouterConfig
-
-    dep = serve.deployment(
-        SimEngineReplica,
-        num_replicas=n,
-        max_ongoing_requests=32,
-        ray_actor_options={"num_cpus": 0},
-        request_router_config=RequestRouterConfig(
-            request_router_class="kvroute.integrations.ray:KvrouteRequestRouter",
-            request_router_kwargs={"policy": "ttft", "session_key": "user", **router_kwargs},
-        ),
-    )
-    return serve.run(dep.bind(num_kv_blocks=2048, time_scale=1.0), name="kv", route_prefix=None)
-
-
-def test_real_ray_cluster(ray_cluster: Any) -> None:
-    ray, serve = ray_cluster
-    from kvroute.integrations.ray import instances
-
-    handle = deploy(serve)
-    call = lambda req: handle.remote(req).result(timeout_s=60)  # noqa: E731
-    # Unrelated prompts at concurrency 1 spread over all replicas.
-    seen = {call({"prompt": words(1000 + i, 200), "max_tokens": 2})["replica"] for i in range(4)}
-    assert len(seen) == 4
-    (router,) = [r for r in instances() if r.core.router.replicas]
-    # Shared-prefix requests reuse the cache of the replica that saw the prefix.
-    system = words(7, 500)
-    outs = [call({"prompt": system + f" q{i} " + words(i, 10), "max_tokens": 2}) for i in range(5)]
-    assert len({o["replica"] for o in outs}) == 1
-    assert all(o["cached_tokens"] >= len(system) - 32 for o in outs[1:])
-    # Sessions stay put.
-    sess = {call({"prompt": words(300 + i, 100), "user": "alice", "max_tokens": 2})["replica"] for i in range(4)}
-    assert len(sess) == 1
-    # A killed replica is dropped and requests continue.
-    victim = outs[0]["replica"]
-    rid = next(r for r in router.curr_replicas if r.unique_id == victim)
-    ray.kill(ray.get_actor(rid.to_full_id_str(), namespace="serve"), no_restart=True)
-    results = [call({"prompt": system + f" after {i}", "max_tokens": 2}) for i in range(6)]
-    assert all(r["replica"] != victim for r in results)
-    deadline = time.monotonic() + 60
-    while victim in router.core.router.replicas and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert victim not in router.core.router.replicas
-    # Accounting returns to zero.
-    deadline = time.monotonic() + 10
-    while router.core.router.stats()["in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    st = router.core.stats()
-    assert st["router_in_flight"] == 0 and st["in_flight"] == 0, st
-    serve.delete("kv")
-
+def test_real_ray_cluster() -> None:
+    """tests/ray_cluster_check.py in its own interpreter: Ray's global state (and this
+    suite's warnings-as-errors, which Ray's lazy imports trip over) stay out of pytest's
+    process; the script starts and stops the local cluster itself."""
+    pytest.importorskip("ray.serve")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_cluster_check.py")
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_estimated_first_token_moves_a_request_from_prefill_to_decode() -> None:
