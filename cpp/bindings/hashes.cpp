@@ -43,35 +43,15 @@ char int_format_kind(const char* format) {
 /// True when p may be read as a uint64 in place (reading a misaligned one is undefined).
 bool aligned64(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % alignof(std::uint64_t) == 0; }
 
-/// The list/tuple conversion. Exact ints are read straight from the sequence, which cannot
-/// change meanwhile (no Python code runs); the first other item may run __index__, which can
-/// resize a list, so from there on a snapshot taken at that point (equal to the list as
-/// passed) is read, as the reference reads tuple(hashes).
+/// The list/tuple conversion (convert_sequence: a snapshot once an item may run Python code).
 void hashes_from_sequence(py::handle hashes, const char* name, std::vector<std::uint64_t>& out) {
-    py::object seq = py::reinterpret_borrow<py::object>(hashes);
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-    out.resize(static_cast<std::size_t>(n));
-    bool snapshot = PyTuple_Check(seq.ptr());
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        // Only a finalizer run by a collection could resize the list here; never read past it.
-        if (PySequence_Fast_GET_SIZE(seq.ptr()) != n)
-            throw StateError(std::string(name) + " changed size during conversion");
-        PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
-        const auto at = static_cast<std::size_t>(i);
-        if (PyLong_CheckExact(item) && int_to_hash(item, out[at])) continue;
-        if (!snapshot) {
-            seq = py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr()));
-            if (!seq) throw py::error_already_set();
-            snapshot = true;
-            item = PyTuple_GET_ITEM(seq.ptr(), i);
-        }
-        py::object held = py::reinterpret_borrow<py::object>(item);
+    convert_sequence(hashes, name, out, int_to_hash, [name](const py::object& held, std::size_t at, std::uint64_t& slot) {
         py::object index = as_index(held);
         if (!index) throw TypeError(std::string(name) + "[" + std::to_string(at) + "] must be an int, got " + type_name(held));
-        if (!int_to_hash(index.ptr(), out[at]))
+        if (!int_to_hash(index.ptr(), slot))
             throw ValueError("hash " + py::str(index).cast<std::string>() + " at index " + std::to_string(at) +
                              " is out of range [-2**63, 2**64)");
-    }
+    });
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 
 #include <string>
+#include <vector>
 
 #include "kvroute/errors.hpp"
 
@@ -119,6 +120,34 @@ inline pybind11::object int_buffer(pybind11::handle obj) {
     // A numpy scalar exports a 0-D buffer: one value, not an array.
     if (PyMemoryView_GET_BUFFER(view)->ndim == 0) return pybind11::object();
     return held;
+}
+
+/// Converts a list or tuple item by item into out. `fast(item, slot)` reads a plain int in
+/// place and returns false for anything it does not take; every other item goes to
+/// `slow(held, at, slot)`, which may run Python code (__index__) and so may resize a list:
+/// from the first such item on, a snapshot taken at that point (equal to the sequence as
+/// passed) is read instead, as the reference reads tuple(seq). `name` names the argument.
+template <class T, class Fast, class Slow>
+void convert_sequence(pybind11::handle obj, const char* name, std::vector<T>& out, Fast fast, Slow slow) {
+    auto seq = pybind11::reinterpret_borrow<pybind11::object>(obj);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    out.resize(static_cast<std::size_t>(n));
+    bool snapshot = PyTuple_Check(seq.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        // Only a finalizer run by a collection could resize the list here; never read past it.
+        if (PySequence_Fast_GET_SIZE(seq.ptr()) != n)
+            throw StateError(std::string(name) + " changed size during conversion");
+        PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
+        const auto at = static_cast<std::size_t>(i);
+        if (PyLong_CheckExact(item) && fast(item, out[at])) continue;
+        if (!snapshot) {
+            seq = pybind11::reinterpret_steal<pybind11::object>(PySequence_Tuple(seq.ptr()));
+            if (!seq) throw pybind11::error_already_set();
+            snapshot = true;
+            item = PyTuple_GET_ITEM(seq.ptr(), i);
+        }
+        slow(pybind11::reinterpret_borrow<pybind11::object>(item), at, out[at]);
+    }
 }
 
 }  // namespace kvroute::bindings

@@ -97,48 +97,33 @@ void TokenView::check() const {
 
 namespace {
 
-/// The list/tuple conversion into out. Exact ints are read straight from the sequence, which
-/// cannot change meanwhile (no Python code runs); the first other item may run __index__,
-/// which can resize a list, so from there on a snapshot taken at that point (equal to the list
-/// as passed) is read, as the reference reads tuple(tokens).
-void tokens_from_sequence(py::handle tokens, std::vector<std::uint32_t>& out) {
-    py::object seq = py::reinterpret_borrow<py::object>(tokens);
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
-    out.resize(static_cast<std::size_t>(n));
-    bool snapshot = PyTuple_Check(seq.ptr());
-    for (Py_ssize_t i = 0; i < n; ++i) {
-        // Only a finalizer run by a collection could resize the list here; never read past it.
-        if (PySequence_Fast_GET_SIZE(seq.ptr()) != n)
-            throw StateError(std::string("tokens") + " changed size during conversion");
-        PyObject* item = PySequence_Fast_GET_ITEM(seq.ptr(), i);
-        const auto at = static_cast<std::size_t>(i);
-        if (PyLong_CheckExact(item)) {
-            int overflow = 0;
-            const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
-            if (overflow == 0 && value >= 0 && value <= 0xFFFFFFFFLL) {
-                out[at] = static_cast<std::uint32_t>(value);
-                continue;
-            }
-        }
-        if (!snapshot) {
-            seq = py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr()));
-            if (!seq) throw py::error_already_set();
-            snapshot = true;
-            item = PyTuple_GET_ITEM(seq.ptr(), i);
-        }
-        // Slow path, holding its own reference: bools, numpy integers, other __index__ types.
-        py::object held = py::reinterpret_borrow<py::object>(item);
-        py::object index;
-        if (PyLong_CheckExact(item)) {
-            index = held;
-        } else {
-            if (!is_bool(held)) index = as_index(held);
-            if (!index) throw TypeError("tokens[" + std::to_string(at) + "] must be an int, got " + type_name(held));
-        }
-        long long value = 0;
-        if (!int_in_range(index, 0, 0xFFFFFFFFLL, value)) bad_token(py::str(index).cast<std::string>(), at);
-        out[at] = static_cast<std::uint32_t>(value);
+/// A plain int token read in place; false (for the slow path's message) when out of range.
+bool token_from_int(PyObject* item, std::uint32_t& slot) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(item, &overflow);
+    if (overflow != 0 || value < 0 || value > 0xFFFFFFFFLL) return false;
+    slot = static_cast<std::uint32_t>(value);
+    return true;
+}
+
+/// Any other item: bools refused, numpy integers and other __index__ types converted.
+void token_from_object(const py::object& held, std::size_t at, std::uint32_t& slot) {
+    py::object index;
+    if (PyLong_CheckExact(held.ptr())) {
+        index = held;
+    } else {
+        if (!is_bool(held)) index = as_index(held);
+        if (!index) throw TypeError("tokens[" + std::to_string(at) + "] must be an int, got " + type_name(held));
     }
+    long long value = 0;
+    if (!int_in_range(index, 0, 0xFFFFFFFFLL, value)) bad_token(py::str(index).cast<std::string>(), at);
+    slot = static_cast<std::uint32_t>(value);
+}
+
+/// The list/tuple conversion into out (convert_sequence: a snapshot once an item may run
+/// Python code).
+void tokens_from_sequence(py::handle tokens, std::vector<std::uint32_t>& out) {
+    convert_sequence(tokens, "tokens", out, token_from_int, token_from_object);
 }
 
 }  // namespace
