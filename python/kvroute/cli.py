@@ -22,20 +22,12 @@ def _cmd_hash(args: argparse.Namespace) -> int:
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
     import json
-    import os
 
     from . import sim
     from .sim import report
     from .sim.ideal import fraction_of_ideal, fraction_text, simulate_ideal
 
-    name, *rest = args.workload
-    if name not in sim.WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(sim.WORKLOADS)}")
-    if (name == "trace") != bool(rest) or len(rest) > 1:
-        raise ValueError("use --workload trace PATH (a PATH only with trace)")
-    path = rest[0] if rest else None
-    if path is not None and not os.path.exists(path):
-        raise ValueError(f"trace file {path!r} does not exist")
+    name, path = sim.workload_arg(args.workload)
     specs = [sim.router_spec(r) for r in args.routers.split(",") if r.strip()]
     if not specs:
         raise ValueError("--routers names no router")

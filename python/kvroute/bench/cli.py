@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from typing import Any
 
@@ -41,14 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _workload(args: argparse.Namespace) -> Any:
     from .. import sim
 
-    name, *rest = args.workload
-    if name not in sim.WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(sim.WORKLOADS)}")
-    if (name == "trace") != bool(rest) or len(rest) > 1:
-        raise ValueError("use --workload trace PATH (a PATH only with trace)")
-    path = rest[0] if rest else None
-    if path is not None and not os.path.exists(path):
-        raise ValueError(f"trace file {path!r} does not exist")
+    name, path = sim.workload_arg(args.workload)
     # Trace timestamps are scaled by the workload itself; the client scales the others.
     return sim.build_workload(name, path=path, replicas=args.replicas, seed=args.seed,
                               time_scale=args.time_scale)

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..sim.metrics import percentile
-from ..sim.report import fmt_seconds
+from ..sim.report import aligned_table, fmt_seconds
 from .client import RequestResult
 
 COLUMNS = ("server", "hit rate", "mean TTFT", "p90 TTFT", "p50 TPOT", "p50 e2e", "throughput", "errors")
@@ -92,15 +92,7 @@ def row(s: Summary) -> list[str]:
 
 def text_table(summaries: Sequence[Summary]) -> str:
     """Aligned plain text, kvroute simulate's layout."""
-    body = [list(COLUMNS)] + [row(s) for s in summaries]
-    widths = [max(len(r[i]) for r in body) for i in range(len(COLUMNS))]
-    lines = []
-    for k, r in enumerate(body):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned_table(COLUMNS, [row(s) for s in summaries])
 
 
 def plot_ttft(runs: Sequence[tuple[str, Sequence[RequestResult]]], path: str, title: str = "") -> None:

@@ -61,6 +61,22 @@ def fleet_for(workload: str, **overrides: Any) -> FleetParams:
     return FleetParams(**kwargs)
 
 
+def workload_arg(words: list[str]) -> tuple[str, str | None]:
+    """(name, path) from a `--workload NAME [PATH]` command-line value, checked: a known
+    name, a PATH only with trace, and a trace file that exists."""
+    import os
+
+    name, *rest = words
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
+    if (name == "trace") != bool(rest) or len(rest) > 1:
+        raise ValueError("use --workload trace PATH (a PATH only with trace)")
+    path = rest[0] if rest else None
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"trace file {path!r} does not exist")
+    return name, path
+
+
 def build_workload(name: str, *, path: str | None = None, replicas: int = 8, seed: int = 0,
                    time_scale: float = 1.0, rate: float | None = None) -> Workload:
     """A workload by name: "chat" (sized for `replicas`), "shared-prefix" (rate: None =
@@ -103,5 +119,5 @@ __all__ = [
     "Record", "RequestOutput", "RouterSpec", "SharedPrefixParams", "SimResult", "StepResult", "SweepPoint",
     "SweepResult", "TraceParams", "Turn", "Workload",
     "build_workload", "chat", "compare", "fleet_for", "make_router", "router_spec", "shared_prefix", "simulate",
-    "sweep", "trace",
+    "sweep", "trace", "workload_arg",
 ]

@@ -52,17 +52,23 @@ def markdown_table(results: Sequence[SimResult], columns: Sequence[str] = COLUMN
     return "\n".join(lines)
 
 
-def text_table(results: Sequence[SimResult]) -> str:
-    """The comparison as aligned plain text, for a terminal."""
-    body = [list(COLUMNS)] + rows(results)
-    widths = [max(len(r[i]) for r in body) for i in range(len(COLUMNS))]
+def aligned_table(columns: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as aligned plain text under a header and a rule: the first column
+    left-aligned, the others right-aligned (kvroute simulate's and kvroute bench's layout)."""
+    table = [list(columns)] + [list(r) for r in body]
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
     lines = []
-    for k, r in enumerate(body):
+    for k, r in enumerate(table):
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  ".join(cells).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def text_table(results: Sequence[SimResult]) -> str:
+    """The comparison as aligned plain text, for a terminal."""
+    return aligned_table(COLUMNS, rows(results))
 
 
 def as_json(results: Sequence[SimResult], **context: Any) -> dict[str, Any]:
@@ -136,16 +142,8 @@ SWEEP_COLUMNS = ("router", "goodput", "rate factor", "p90 TTFT", "hit rate", "ru
 
 def sweep_table(sweeps: Sequence[SweepResult]) -> str:
     """Goodput per router as aligned plain text."""
-    body = [list(SWEEP_COLUMNS)] + sweep_rows(sweeps)
-    widths = [max(len(r[i]) for r in body) for i in range(len(SWEEP_COLUMNS))]
-    lines = []
-    for k, r in enumerate(body):
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned_table(SWEEP_COLUMNS, sweep_rows(sweeps))
 
 
-__all__ = ["COLUMNS", "SWEEP_COLUMNS", "as_json", "fmt_seconds", "markdown_table", "plot", "rows", "sweep_rows",
+__all__ = ["COLUMNS", "SWEEP_COLUMNS", "aligned_table", "as_json", "fmt_seconds", "markdown_table", "plot", "rows", "sweep_rows",
            "sweep_table", "text_table"]
