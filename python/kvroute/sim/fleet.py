@@ -399,13 +399,16 @@ class _Run:
         nxt = self.arrivals[0][0] if self.arrivals else math.inf
         return min(nxt, now + self.min_think)
 
-    def _start_step(self, r: int, now: float) -> None:
+    def _start_step(self, r: int, now: float) -> StepResult | None:
+        """Start replica r's next step (or decode stretch) at `now`; the step started (None
+        where a subclass parks the replica instead)."""
         eng = self.engines[r]
         res = eng.run_decodes(now, self._horizon(now))
         if res is None:
             res = eng.step(now)
         self.busy[r] = True
         heapq.heappush(self.events, (res.end, self._next(), r, res))
+        return res
 
     def _step_end(self, r: int, res: StepResult, now: float) -> None:
         self.busy[r] = False

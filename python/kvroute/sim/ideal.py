@@ -37,7 +37,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine import Engine, EngineConfig, EngineRequest
+from .engine import Engine, EngineConfig, EngineRequest, StepResult
 from .fleet import FleetParams, SimResult, _Request, _Run
 from .workloads import Workload
 
@@ -117,7 +117,7 @@ class _IdealRun(_Run):
         self.central.append((len(self.requests) - 1, req))
         self._dispatch(now)
 
-    def _start_step(self, r: int, now: float) -> None:
+    def _start_step(self, r: int, now: float) -> StepResult | None:
         eng = self.engines[r]
         # A decode stretch applies its whole effect (blocks freed at its end) at its start:
         # while any replica has a request waiting (for blocks of the shared pool), every
@@ -130,9 +130,10 @@ class _IdealRun(_Run):
             # Nothing fits: its waiting head needs blocks other replicas hold in the
             # shared pool. It parks until another replica's step ends (_wake).
             self.busy[r] = False
-            return
+            return None
         self.busy[r] = True
         heapq.heappush(self.events, (res.end, self._next(), r, res))
+        return res
 
     def _step_end(self, r: int, res: Any, now: float) -> None:
         # Parked replicas first: the pool is as r's ended step left it, before r's next

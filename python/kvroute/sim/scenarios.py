@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import Engine, EngineRequest
+from .engine import Engine, EngineRequest, StepResult
 from .fleet import FleetParams, SimResult, _Run, make_router
 from .kv_events import AllBlocksCleared
 from .routers import RouterSpec, router_spec
@@ -94,16 +94,9 @@ class _ScenarioRun(_Run):
 
         heapq.heappush(self.events, (float(scenario.at_s), self._next(), 0, _Action()))
 
-    def _start_step(self, r: int, now: float) -> None:
-        eng = self.engines[r]
-        res = eng.run_decodes(now, self._horizon(now))
-        if res is None:
-            res = eng.step(now)
-        self.busy[r] = True
-        self.current[r] = res
-        import heapq
-
-        heapq.heappush(self.events, (res.end, self._next(), r, res))
+    def _start_step(self, r: int, now: float) -> StepResult | None:
+        self.current[r] = res = super()._start_step(r, now)
+        return res
 
     def _step_end(self, r: int, res: Any, now: float) -> None:
         if isinstance(res, _Action):
