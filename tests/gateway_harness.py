@@ -52,6 +52,25 @@ def wait_until(pred: Any, timeout: float = 20.0, interval: float = 0.05) -> bool
         time.sleep(interval)
     return False
 
+def openai_client(gw: Any, **kw: Any) -> Any:
+    """The official openai client pointed at a gateway (no retries: a test sees every error)."""
+    import openai
+
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, **kw)
+
+
+def metrics_of(gw: Any) -> dict[str, dict[tuple, float]]:
+    """The gateway's /metrics parsed by prometheus_client: sample name -> labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(gw.url + "/metrics").read().decode()
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
 
 class Engine:
     """One fake engine process."""

@@ -5,18 +5,15 @@ precise mode on the engines' KV events, metrics, admin API, client disconnects."
 from __future__ import annotations
 
 import json
-import urllib.request
-
 import pytest
 
 pytest.importorskip("aiohttp")
-import openai  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread  # noqa: E402
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
 from kvroute.tokenize import load_tokenizer  # noqa: E402
-from tests.gateway_harness import GatewayThread, call, free_port, get_json, wait_until  # noqa: E402
+from tests.gateway_harness import GatewayThread, call, free_port, get_json, metrics_of, wait_until  # noqa: E402
+from tests.gateway_harness import openai_client as client  # noqa: E402
 
 MODEL = "kvroute-emulated"
 DOC = "The gateway routes each prompt to the replica that holds its leading KV blocks. " * 12
@@ -41,21 +38,10 @@ def gateway(fleet, tmp_path_factory):
     gw.stop()
 
 
-def client(gw, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, **kw)
-
 
 def decisions(gw) -> list[dict]:
     return [json.loads(x) for x in gw.log.read_text().splitlines()]
 
-
-def metrics_of(gw) -> dict[str, dict[tuple, float]]:
-    text = urllib.request.urlopen(gw.url + "/metrics").read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
 
 
 def test_precise_mode_is_the_default_and_follows_events(gateway):

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("aiohttp")
 import openai  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
-from tests.gateway_harness import Engine, GatewayThread, free_port, wait_until  # noqa: E402
+from tests.gateway_harness import Engine, GatewayThread, free_port, metrics_of, wait_until  # noqa: E402
+from tests.gateway_harness import openai_client as client  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
@@ -45,19 +45,6 @@ def gateway(engines):
     gw.stop()
 
 
-def client(gw, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, **kw)
-
-
-def metrics_of(gw) -> dict[str, dict[tuple, float]]:
-    import urllib.request
-
-    text = urllib.request.urlopen(gw.url + "/metrics").read().decode()
-    out: dict[str, dict[tuple, float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
 
 
 def test_body_and_bytes_unchanged(gateway, engines):
