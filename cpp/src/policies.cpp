@@ -25,15 +25,15 @@ double next_unit(std::uint64_t& state) noexcept {
     return static_cast<double>(next_u64(state) >> 11) * (1.0 / 9007199254740992.0);
 }
 
-// First candidate with the smallest key; later ones win only when strictly smaller, so ties
+// First candidate with the best key; a later one wins only when strictly better, so ties
 // go to the earliest in `order` (the least recently chosen).
-template <class Key>
-std::uint32_t argmin(const std::vector<std::uint32_t>& order, Key key) {
+template <class Key, class Better>
+std::uint32_t arg_best(const std::vector<std::uint32_t>& order, Key key, Better better) {
     std::uint32_t best = order[0];
     auto best_key = key(best);
     for (std::size_t i = 1; i < order.size(); ++i) {
         auto k = key(order[i]);
-        if (k < best_key) {
+        if (better(k, best_key)) {
             best = order[i];
             best_key = k;
         }
@@ -42,17 +42,13 @@ std::uint32_t argmin(const std::vector<std::uint32_t>& order, Key key) {
 }
 
 template <class Key>
+std::uint32_t argmin(const std::vector<std::uint32_t>& order, Key key) {
+    return arg_best(order, key, [](const auto& a, const auto& b) { return a < b; });
+}
+
+template <class Key>
 std::uint32_t argmax(const std::vector<std::uint32_t>& order, Key key) {
-    std::uint32_t best = order[0];
-    auto best_key = key(best);
-    for (std::size_t i = 1; i < order.size(); ++i) {
-        auto k = key(order[i]);
-        if (k > best_key) {
-            best = order[i];
-            best_key = k;
-        }
-    }
-    return best;
+    return arg_best(order, key, [](const auto& a, const auto& b) { return a > b; });
 }
 
 std::int32_t top_match(const DecisionView& v, const std::vector<std::uint32_t>& order) {
