@@ -93,18 +93,61 @@ def test_ideal_on_chat():
         assert 0.0 < frac["hit_rate"] <= 1.0 + 1e-9 and 0.0 < frac["ttft_p90"]
 
 
-def test_a_replica_waits_for_blocks_another_holds():
-    # The shared pool holds 200 blocks. A1 (90 blocks, 30 output tokens) runs on replica 0
-    # and A2 (90 blocks, 2 output tokens) on replica 1, both prefilled by 1.45 s; B (90
-    # blocks + 8 tokens) arrives at 0.1 s, joins replica 0 (both busy: the lowest index)
-    # and cannot get its 91 blocks while A1 and A2 hold 182. A2 finishes with its decode
-    # step at 1.461 s; replica 0's step starting then admits B beside A1's decode:
-    # 10 ms + 1,449 tokens x 1 ms = 1.459 s, TTFT 1.461 + 1.459 - 0.1.
+def test_a_replica_runs_at_most_its_own_memory():
+    # Each replica's running requests hold at most its 100 blocks (the cache is pooled,
+    # running memory is not). A1 (90 blocks, 30 output tokens) runs on replica 0 and A2
+    # (90 blocks, 2 output tokens) on replica 1, both prefilled by 1.45 s; B (90 blocks +
+    # 8 tokens: 91) arrives at 0.1 s and waits centrally: neither replica has 91 blocks
+    # of room. A2's last decode step (1.45 -> 1.461) frees its blocks; B goes to replica
+    # 1 and is admitted by its next step: 10 ms + 1,448 tokens x 1 ms, TTFT 1.461 +
+    # 1.458 - 0.1. No replica preempts for want of another's memory.
     def turn(base: int, extra: int, out: int) -> Turn:
         chain = np.arange(base, base + 90, dtype=np.uint64)
         return Turn(chain, 90 * 16 + extra, out, chain)
 
     wl = _wl([Client(0.0, (turn(1, 0, 30),)), Client(0.0, (turn(1000, 0, 2),)), Client(0.1, (turn(5000, 8, 1),))])
     res = simulate_ideal(wl, FLEET)
-    assert res.records.replica.tolist() == [0, 1, 0]
-    assert res.records.ttft.tolist() == pytest.approx([1.45, 1.45, 1.461 + 1.459 - 0.1])
+    assert res.records.replica.tolist() == [0, 1, 1]
+    assert res.records.ttft.tolist() == pytest.approx([1.45, 1.45, 1.461 + 1.458 - 0.1])
+    assert res.metrics.preemptions == 0 and res.router_stats["preemptions"] == 0
+    assert res.router_stats["central_wait_mean"] == pytest.approx((1.461 - 0.1) / 3)  # B waited 1.361 s
+
+
+def test_central_queue_is_shortest_first():
+    # One request per replica (max_num_seqs=1). X (1,000 tokens, 30 output tokens) holds
+    # replica 0 until 1.01 + 29 decode steps of 11 ms = 1.329 s; Y (1,000 tokens, 1
+    # output token) frees replica 1 at 1.01. C1 (1,000 new tokens) arrives at 0.1, C2 (a
+    # repeat of Y: 8 uncached tokens) at 0.2: C2 goes first, to replica 1 (18 ms), then
+    # C1 to replica 1 at 1.028. FIFO would serve C1 at 1.01 and C2 at 2.02.
+    fleet = sim.FleetParams(**{**FLEET.__dict__, "max_num_seqs": 1})
+    wl = _wl([Client(0.0, (_turn(1000, output=30),)), Client(0.0, (_turn(5000),)),
+              Client(0.1, (_turn(9000),)), Client(0.2, (_turn(5000),))])
+    res = simulate_ideal(wl, fleet)
+    rec = res.records
+    assert rec.replica.tolist() == [0, 1, 1, 1]
+    assert rec.cached_tokens.tolist() == [0, 0, 0, 992]
+    assert rec.ttft.tolist() == pytest.approx([1.01, 1.01, 1.028 + 1.01 - 0.1, 1.01 + 0.018 - 0.2])
+
+
+def test_eviction_by_next_use():
+    # One replica of 100 blocks. A (40 full blocks + 8 tokens: 41 blocks) at 0 returns
+    # with the same prompt 10 s after its answer (0.658 s); B at 1 s and C at 3 s, 41
+    # blocks each, are never repeated. C needs 41 of the 100 blocks while A's and B's
+    # cached blocks fill 80 of them.
+    fleet = sim.FleetParams(**{**FLEET.__dict__, "replicas": 1})
+    a = Client(0.0, (_turn(1000, blocks=40), _turn(1000, blocks=40, think=10.0, first=False)))
+    wl = _wl([a, Client(1.0, (_turn(2000, blocks=40),)), Client(3.0, (_turn(3000, blocks=40),))])
+    # LRU (the engines' rule) takes the free queue's head: the 18 never-used blocks, A's
+    # partial block, then A's blocks from its tail: 22 of its 40 go, its repeat hits 18
+    # blocks (288 tokens) and computes 360: 10 ms + 360 ms.
+    lru = simulate_ideal(wl, fleet, eviction="lru")
+    # Records in arrival order: A, B, C, A's repeat.
+    assert lru.records.cached_tokens.tolist() == [0, 0, 0, 288]
+    assert lru.records.ttft.tolist() == pytest.approx([0.658, 0.658, 0.658, 0.37])
+    # Next use takes blocks nothing will look up first (never used, partial, all of B's):
+    # A's 40 survive, its repeat computes 8 tokens (18 ms).
+    ideal = simulate_ideal(wl, fleet)
+    assert ideal.records.cached_tokens.tolist() == [0, 0, 0, 640]
+    assert ideal.records.ttft.tolist() == pytest.approx([0.658, 0.658, 0.658, 0.018])
+    with pytest.raises(ValueError, match="eviction"):
+        simulate_ideal(wl, fleet, eviction="fifo")

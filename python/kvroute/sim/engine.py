@@ -382,7 +382,7 @@ class Engine:
             r = waiting[0]
             memo = r.memo
             if memo is not None and memo[0] == self._n_evictions and memo[1] == self._n_stores \
-                    and len(self._free) <= memo[2]:
+                    and self._room() <= memo[2]:
                 break  # nothing it depends on changed since it last failed: it fails again
             if not cfg.enable_prefix_caching:
                 hit = []
@@ -399,7 +399,7 @@ class Engine:
             r.n_cached = len(hit)
             if not self._allocate(r, n, hit):
                 r.computed = r.n_cached = 0
-                r.memo = (self._n_evictions, self._n_stores, len(self._free), hit)
+                r.memo = (self._n_evictions, self._n_stores, self._room(), hit)
                 break  # it waits at the head: only running requests are preempted
             r.memo = None
             waiting.popleft()
@@ -471,8 +471,7 @@ class Engine:
             n = thr
         n = min(n, budget)
         need = max(-(-(computed + n) // self._bs) - len(hit), 0)
-        taken = need + list(map(self._ref.__getitem__, hit)).count(0)
-        if taken <= len(self._free):
+        if need + self._unpinned(hit) <= self._room():
             return None  # it could be admitted: run a real step
         nxt = len(hit)
         limit = min((r.num_tokens - 1) // self._bs, len(r.hashes))
@@ -524,7 +523,7 @@ class Engine:
     def _steps_in_memory(self, k: int) -> int:
         """Most steps <= k whose new blocks fit in the free blocks."""
         bs = self._bs
-        free = len(self._free)
+        free = self._room()
         run = self._running
 
         def need(steps: int) -> int:
@@ -566,13 +565,14 @@ class Engine:
         """Blocks for r.computed + n tokens (hit: cached blocks to pin first); False if they
         do not fit, with nothing changed (allocate_slots)."""
         need = max(-(-(r.computed + n) // self._bs) - len(r.blocks) - len(hit), 0)
-        free = self._free
-        if need > len(free):
+        room = self._room()
+        if need > room:
             return False
+        free = self._free
         ref = self._ref
         if hit:
             # Hit blocks in the free queue leave it: they count against the free blocks.
-            if need + list(map(ref.__getitem__, hit)).count(0) > len(free):
+            if need + self._unpinned(hit) > room:
                 return False
             for b in hit:
                 if ref[b] == 0:
@@ -585,17 +585,32 @@ class Engine:
             self._cache(r, min(r.computed + n, r.num_tokens))
         return True
 
+    def _room(self) -> int:
+        """Blocks this engine may still take: the free blocks (kvroute.sim.ideal's pooled
+        engines cap them at their own share)."""
+        return len(self._free)
+
+    def _unpinned(self, hit: Sequence[int]) -> int:
+        """How many of the hit blocks taking them costs a block of room: those in the free
+        queue (no running request holds them)."""
+        return list(map(self._ref.__getitem__, hit)).count(0)
+
+    def _victim(self) -> int:
+        """The free block to take next: the head of the free queue (LRU); kvroute.sim.ideal's
+        pooled engines choose by next use instead."""
+        return self._free.popitem(last=False)[0]
+
     def _pop_free(self, count: int) -> list[int]:
         """Take `count` blocks from the head of the free queue, evicting cached ones
         (_maybe_evict_cached_block); one BlockRemoved event lists the evicted hashes."""
-        popitem = self._free.popitem
+        victim = self._victim
         hashes = self._hash
         cached = self._cached
         ref = self._ref
         out = []
         evicted = []
         for _ in range(count):
-            b = popitem(last=False)[0]
+            b = victim()
             h = hashes[b]
             if h is not None:
                 if h in self._extra:

@@ -2,27 +2,41 @@
 
 One shared prefix cache holding the fleet's total KV memory, and one central queue from
 which any idle replica takes the next request. Built from the fleet model's own parts
-(kvroute.sim.fleet, kvroute.sim.engine), so only those two things differ:
+(kvroute.sim.fleet, kvroute.sim.engine): the same replicas, each with its own scheduler,
+token budget, max_num_seqs, step time and share of KV memory for its running requests;
+only what no router controls differs:
 
-- KV memory: the replicas' engines share one pool of replicas x cache_tokens blocks (one
-  free queue, one hash table, one LRU order): a block any replica computed is a prefix
-  hit on every replica, and a replica may hold more than its share while others hold
-  less. Each engine keeps its own scheduler, token budget, max_num_seqs and step time,
-  so a request is still computed by one replica at one replica's speed. A replica whose
-  waiting head cannot get blocks (others hold them) waits until a step elsewhere ends;
-  while any replica has a request waiting, every replica steps one at a time (no batched
-  decode stretch, whose effect the engine model applies at its start) so the waiting
-  request gets blocks when they are freed, not before.
-- Queue: requests wait in one FIFO queue; a replica takes the head while the prompt
-  tokens it has yet to compute (waiting, or running before their first token) are fewer
-  than one step's token budget (max_num_batched_tokens) and it runs fewer than
-  max_num_seqs: the one with the fewest such tokens, then one with no step in flight,
-  then the lowest index. No request queues behind a replica's prefill while another
-  replica has room in its next step, and no router decision is made.
+- One prefix cache. The engines share one pool of replicas x cache_tokens blocks (one
+  hash table, one free queue): a block any replica computed is a prefix hit on every
+  replica. A replica's running requests still hold at most one replica's memory (its
+  quota: the distinct blocks they pin, as on a real replica), so no replica runs more
+  than it could alone and none preempts because of another's requests; the blocks no
+  request runs on are the cache, of whatever size the running ones leave, fleet-wide.
+- Eviction by next use (Belady's rule, an oracle): when the pool needs a block it takes
+  the free block whose hash the workload looks up next farthest in the future, first
+  those no unfinished request looks up again. Next uses are nominal: a closed-loop
+  client's turn arrives its think time after the previous one's nominal arrival plus an
+  estimate of its service (the real arrival depends on the run). Engines evict LRU; a
+  router can only choose where a request goes, not what its engine keeps, so LRU alone
+  is not a limit: a pooled LRU cache of the fleet's size keeps fewer chat histories
+  than sticky routing's eight separate ones (measured: 40% against sticky's 42% on chat
+  at 8 replicas; 56% with next-use eviction).
+- One central queue, shortest first: a request waits centrally, ordered by the prompt
+  tokens the cache lacked when it arrived (fewest first, then arrival), and a replica
+  takes the head when nothing waits in its engine, it runs fewer than max_num_seqs
+  requests, the prompt tokens it has yet to compute are fewer than one step's token
+  budget, and its free quota holds the head's prompt: the one with the fewest such
+  tokens, then one with no step in flight, then the most free quota. No request queues
+  behind a replica's prefill or memory while another replica has room, and no router
+  decision is made. Shortest first, not FIFO: under overload FIFO makes every request of
+  a burst wait as long as the burst, and p90 TTFT is set by the queue order, which no
+  router controls (each engine is FCFS); p99 can be worse than a router's.
 
-Not a strict bound on every run: LRU is not optimal, so splitting the cache can, rarely,
-keep a block one pooled LRU evicts, and a queue reordered by cache could beat FIFO on
-TTFT; a fraction above 1 shows it. FIFO and LRU are what engines run.
+Not a proof: a run is a closed loop (a faster fleet brings the next turns sooner), the
+next uses are nominal and the queue order a heuristic, so a router can, in principle,
+beat the ideal on some metric of some run; a fraction above 1 shows it (docs/results.md
+checks every policy on every workload). Preemptions, evictions and the time requests
+spent in the central queue are in the result's router_stats.
 
 `simulate_ideal()` returns a SimResult like kvroute.sim.simulate (router name "ideal");
 `fraction_of_ideal()` expresses a run against it: hit rate / ideal hit rate, ideal p90
@@ -31,34 +45,45 @@ TTFT / p90 TTFT (1.0 = as fast as the ideal), goodput / ideal goodput when measu
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
-from collections import deque
-from typing import Any
+from typing import Any, Sequence
 
-from .engine import Engine, EngineConfig, EngineRequest, StepResult
+from .engine import Engine, EngineConfig, EngineRequest, StepResult, _Req
 from .fleet import FleetParams, SimResult, _Request, _Run
+from .sweep import SweepResult, search
 from .workloads import Workload
 
+EVICTIONS = ("next-use", "lru")
 
-class _Counters:
-    __slots__ = ("stores", "evictions")
+
+class _Shared:
+    """What the pooled engines share besides the blocks: cache versions and the oracle."""
+
+    __slots__ = ("stores", "evictions", "oracle", "on_store")
 
     def __init__(self) -> None:
+        self.on_store: Any = None  # called with the hashes each store registers
         self.stores = 0
         self.evictions = 0
+        self.oracle: _NextUse | None = None
 
 
 class _PooledEngine(Engine):
     """An Engine whose KV block pool (blocks, hashes, free queue, cache) is shared with
-    the other engines built on the same `pool` engine."""
+    the other engines built on the same `pool` engine, its running requests limited to
+    `quota` distinct blocks."""
 
-    _shared: _Counters
+    _shared: _Shared
 
-    def __init__(self, config: EngineConfig, pool: _PooledEngine | None = None) -> None:
-        self._shared = pool._shared if pool is not None else _Counters()
+    def __init__(self, config: EngineConfig, quota: int, pool: _PooledEngine | None = None) -> None:
+        self._shared = pool._shared if pool is not None else _Shared()
         super().__init__(config)
+        self._quota = quota
+        self._mine: dict[int, int] = {}  # block -> references by this engine's requests
+        self._charged: set[int] = set()  # blocks it took out of the free queue, still held
         if pool is not None:
             self._ref, self._hash, self._free = pool._ref, pool._hash, pool._free
             self._cached, self._extra = pool._cached, pool._extra
@@ -80,6 +105,54 @@ class _PooledEngine(Engine):
     def _n_evictions(self, value: int) -> None:
         self._shared.evictions = value
 
+    def _room(self) -> int:
+        # Its quota less the blocks it took out of the free queue, and never more than the
+        # pool has free (a block it shares may be charged to no one once its taker let go).
+        return min(self._quota - len(self._charged), len(self._free))
+
+    def _allocate(self, r: _Req, n: int, hit: Sequence[int]) -> bool:
+        before = len(r.blocks)
+        ref = self._ref
+        taken = [b for b in hit if ref[b] == 0]  # hits on blocks in use elsewhere are free
+        if not super()._allocate(r, n, hit):
+            return False
+        mine, charged = self._mine, self._charged
+        charged.update(taken)
+        charged.update(r.blocks[before + len(hit):])
+        for b in r.blocks[before:]:
+            mine[b] = mine.get(b, 0) + 1
+        return True
+
+    def _free_blocks(self, r: _Req) -> None:
+        mine, charged = self._mine, self._charged
+        blocks = r.blocks
+        for b in blocks:
+            left = mine[b] - 1
+            if left:
+                mine[b] = left
+            else:
+                del mine[b]
+                charged.discard(b)
+        super()._free_blocks(r)
+        oracle = self._shared.oracle
+        if oracle is not None:
+            if r.out >= r.max_tokens:  # finished: its lookups are done
+                oracle.finished(r.id, r.hashes[: min((r.prompt_len - 1) // self._bs, len(r.hashes))])
+            ref, hashes = self._ref, self._hash
+            for pos, b in enumerate(blocks):
+                if ref[b] == 0:
+                    oracle.push(b, hashes[b], pos)
+
+    def _cache(self, r: _Req, num_tokens: int) -> None:
+        start = r.n_cached
+        super()._cache(r, num_tokens)
+        if r.n_cached > start and self._shared.on_store is not None:
+            self._shared.on_store(r.hashes[start:r.n_cached])
+
+    def _victim(self) -> int:
+        oracle = self._shared.oracle
+        return super()._victim() if oracle is None else oracle.pop(self._free)
+
     def pending_prefill(self) -> int:
         """Prompt tokens not yet computed, of running requests before their first token and
         of waiting requests (as of the end of the step in flight)."""
@@ -91,44 +164,226 @@ class _PooledEngine(Engine):
         raise NotImplementedError("the ideal fleet's shared cache is never reset")
 
 
-class _IdealRun(_Run):
-    """The fleet's event loop with pooled engines and a central FIFO queue."""
+class _NextUse:
+    """Belady's choice among the pool's free blocks: the one whose hash the workload looks
+    up next farthest in the future, first those no unfinished request looks up; ties: the
+    later block of its request first (tails before their prefixes). The next use of a
+    hash is the earliest nominal arrival of a request that looks it up (_nominal_uses)
+    plus its client's lag (how late its last request was placed against its nominal
+    arrival). A heap with stale entries skipped (stamp)."""
 
-    def __init__(self, workload: Workload, fleet: FleetParams) -> None:
+    def __init__(self, workload: Workload, fleet: FleetParams, kv_blocks: int, num_blocks: int) -> None:
+        self.uses, self.users, self.nominal = _nominal_uses(workload, fleet, kv_blocks)
+        self.lag = [0.0] * len(workload.clients)
+        self.times: dict[str, float] = {}  # engine request id -> its nominal arrival
+        self.stamp = [0] * num_blocks
+        self.heap = [(-math.inf, 0, 0, b) for b in range(num_blocks)]  # all free, uncached
+        self.seq = 0
+
+    def placed(self, rid: str, client: int, turn: int, now: float) -> None:
+        """Request rid (the client's turn) was placed on a replica at `now`."""
+        t = self.nominal[client][turn]
+        self.times[rid] = t
+        self.lag[client] = now - t
+
+    def push(self, b: int, h: int | None, pos: int) -> None:
+        """Block b (hash h, position pos in its request) entered the free queue."""
+        lst = self.uses.get(h) if h is not None else None
+        key = -(lst[0] + self.lag[self.users[h][0]]) if lst else -math.inf
+        self.seq += 1
+        self.stamp[b] = self.seq
+        heapq.heappush(self.heap, (key, -pos, self.seq, b))
+
+    def pop(self, free: dict[int, None]) -> int:
+        """Take the victim out of `free` and return it."""
+        heap, stamp = self.heap, self.stamp
+        if len(heap) > 4 * len(free) + 65_536:
+            # Keys of free blocks change only through a re-push, so the live entries are
+            # exactly those whose stamp matches.
+            self.heap = heap = [e for e in heap if stamp[e[3]] == e[2] and e[3] in free]
+            heapq.heapify(heap)
+        while True:
+            _, _, seq, b = heapq.heappop(heap)
+            if stamp[b] == seq and b in free:
+                del free[b]
+                return b
+
+    def finished(self, rid: str, hashes: list[int]) -> None:
+        """Request rid finished: its lookups of `hashes` are no longer future uses."""
+        t = self.times.pop(rid)
+        uses, users = self.uses, self.users
+        for h in hashes:
+            lst = uses[h]
+            i = bisect.bisect_left(lst, t)
+            del lst[i]
+            if lst:
+                del users[h][i]
+            else:
+                del uses[h], users[h]
+
+
+def _nominal_uses(workload: Workload, fleet: FleetParams,
+                  kv_blocks: int) -> tuple[dict[int, list[float]], dict[int, list[int]], list[list[float]]]:
+    """(hash -> the sorted nominal arrival times of the served requests that look it up,
+    hash -> their clients in the same order, client -> its turns' nominal arrival times).
+    A request looks up the blocks of its prompt an engine may hit (at most prompt_tokens -
+    1 tokens). A client's turn arrives nominally its think time after the previous turn's
+    nominal arrival plus an estimate of that turn's service: its prefill at the full rate
+    and its decode steps at twice the fixed step cost."""
+    bt = workload.block_tokens
+    pairs: dict[int, list[tuple[float, int]]] = {}
+    nominal: list[list[float]] = []
+    for c, client in enumerate(workload.clients):
+        t = float(client.start)
+        times: list[float] = []
+        for k, turn in enumerate(client.turns):
+            if k:
+                t += turn.think_time
+            times.append(t)
+            if -(-(turn.prompt_tokens + turn.output_tokens) // bt) <= kv_blocks:  # else rejected
+                use = (t, c)
+                for h in turn.after_hashes[: (turn.prompt_tokens - 1) // bt].tolist():
+                    lst = pairs.get(h)
+                    if lst is None:
+                        pairs[h] = [use]
+                    else:
+                        lst.append(use)
+            t += turn.prompt_tokens * fleet.per_token_s + turn.output_tokens * 2 * fleet.step_fixed_s
+        nominal.append(times)
+    uses: dict[int, list[float]] = {}
+    users: dict[int, list[int]] = {}
+    for h, lst in pairs.items():
+        if len(lst) > 1:
+            lst.sort()
+        uses[h] = [u[0] for u in lst]
+        users[h] = [u[1] for u in lst]
+    return uses, users, nominal
+
+
+class _CentralQueue:
+    """Requests waiting for a replica, fewest uncached prompt tokens first (then arrival).
+    Keys follow the pool: a store of the first block a request misses re-keys it at once
+    (stored()); an eviction, which can only raise a key, is seen when it reaches the head."""
+
+    def __init__(self, cached: dict[int, int], block_tokens: int) -> None:
+        self.cached = cached
+        self.bt = block_tokens
+        self.heap: list[tuple[int, int, int]] = []  # (key, request id, stamp)
+        self.items: dict[int, tuple[_Request, list[int], int]] = {}  # id -> (request, lookups, prompt)
+        self.stamp: dict[int, tuple[int, int, int | None]] = {}  # id -> (key, stamp, first miss)
+        self.wanted: dict[int, list[int]] = {}  # hash -> ids whose first miss it is
+        self.seq = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def push(self, rid: int, req: _Request, lookups: list[int], prompt_tokens: int) -> None:
+        """Queue request rid, which looks up `lookups` (its prompt's cacheable hashes)."""
+        self.items[rid] = (req, lookups, prompt_tokens)
+        self._rekey(rid)
+
+    def _rekey(self, rid: int) -> int:
+        _, hs, prompt = self.items[rid]
+        cached = self.cached
+        n = 0
+        for h in hs:
+            if h not in cached:
+                break
+            n += 1
+        miss = hs[n] if n < len(hs) else None
+        prev = self.stamp.get(rid)
+        if miss is not None and (prev is None or prev[2] != miss):  # else it is listed already
+            self.wanted.setdefault(miss, []).append(rid)
+        key = prompt - n * self.bt
+        self.seq += 1
+        self.stamp[rid] = (key, self.seq, miss)
+        heapq.heappush(self.heap, (key, rid, self.seq))
+        return key
+
+    def stored(self, hashes: Sequence[int]) -> None:
+        """Blocks with these hashes entered the cache."""
+        wanted, stamp = self.wanted, self.stamp
+        for h in hashes:
+            rids = wanted.pop(h, None)
+            for rid in rids or ():
+                st = stamp.get(rid)
+                if st is not None and st[2] == h:
+                    self._rekey(rid)
+
+    def head(self) -> _Request | None:
+        """The request to place next (None: none waits)."""
+        heap, stamp = self.heap, self.stamp
+        while heap:
+            key, rid, seq = heap[0]
+            st = stamp.get(rid)
+            if st is None or st[1] != seq:
+                heapq.heappop(heap)
+                continue
+            heapq.heappop(heap)
+            if self._rekey(rid) <= key:  # still the least: its fresh entry is on top
+                return self.items[rid][0]
+        return None
+
+    def pop(self) -> tuple[int, _Request]:
+        """Remove the head (after head())."""
+        _, rid, _ = heapq.heappop(self.heap)
+        req = self.items.pop(rid)[0]
+        del self.stamp[rid]
+        return rid, req
+
+
+class _IdealRun(_Run):
+    """The fleet's event loop with pooled engines and a central shortest-first queue."""
+
+    def __init__(self, workload: Workload, fleet: FleetParams, eviction: str) -> None:
         super().__init__(workload, fleet, None, False, lambda c, t, now: 0, None)
         n = fleet.replicas
         one = fleet.engine_config(workload.block_tokens)
         cfg = EngineConfig(**{**one.__dict__, "num_kv_blocks": one.num_kv_blocks * n})
-        first = _PooledEngine(cfg)
-        self.pooled = [first] + [_PooledEngine(cfg, first) for _ in range(n - 1)]
+        first = _PooledEngine(cfg, one.num_kv_blocks)
+        self.pooled = [first] + [_PooledEngine(cfg, one.num_kv_blocks, first) for _ in range(n - 1)]
         self.engines = list(self.pooled)
-        self.central: deque[tuple[int, _Request]] = deque()
+        self.oracle = _NextUse(workload, fleet, self.kv_blocks, cfg.num_kv_blocks) if eviction == "next-use" else None
+        first._shared.oracle = self.oracle
+        self.central = _CentralQueue(first._cached, workload.block_tokens)
+        first._shared.on_store = self.central.stored
+        self.queued_s = 0.0  # summed over requests: seconds in the central queue
+        self.ending = -1  # the replica whose step end is being handled
 
     def _arrive(self, c_idx: int, t_idx: int, now: float) -> None:
         req = _Request(c_idx, t_idx, now)
         self.requests.append(req)
         turn = self.wl.clients[c_idx].turns[t_idx]
-        if -(-(turn.prompt_tokens + turn.output_tokens) // self.wl.block_tokens) > self.kv_blocks:
+        bt = self.wl.block_tokens
+        if -(-(turn.prompt_tokens + turn.output_tokens) // bt) > self.kv_blocks:
             # Longer than one replica's KV memory: rejected as the fleet rejects it, so
             # both serve the same requests.
             self.rejected += 1
             self._complete(req, now)
             return
-        self.central.append((len(self.requests) - 1, req))
-        self._dispatch(now)
+        self.central.push(len(self.requests) - 1, req, turn.after_hashes[: (turn.prompt_tokens - 1) // bt].tolist(),
+                          turn.prompt_tokens)
+        # The loop starts the idle replicas once every request of this instant is queued
+        # (fleet._Run.loop); -1 stands for the central queue's dispatch, which goes first.
+        self.idle.add(-1)
 
     def _start_step(self, r: int, now: float) -> StepResult | None:
+        if r < 0:
+            self._dispatch(now)
+            return None
+        if r == self.ending:
+            return None  # _step_end starts it after the central queue had its turn
         eng = self.engines[r]
         # A decode stretch applies its whole effect (blocks freed at its end) at its start:
-        # while any replica has a request waiting (for blocks of the shared pool), every
-        # replica steps one at a time so the waiting one gets blocks when they are freed.
-        waiting = any(e.load()[0] for e in self.engines)
+        # while a request waits (centrally or in an engine), every replica steps one at a
+        # time, so room and the pool's blocks change when the steps would change them.
+        waiting = bool(self.central) or any(e.load()[0] for e in self.engines)
         res = None if waiting else eng.run_decodes(now, self._horizon(now))
         if res is None:
             res = eng.step(now)
         if not res.scheduled and not res.outputs and res.steps == 1:
-            # Nothing fits: its waiting head needs blocks other replicas hold in the
-            # shared pool. It parks until another replica's step ends (_wake).
+            # Nothing scheduled (a step that only preempted): it waits for the next step
+            # to end anywhere (_step_end), as the pool may have changed by then.
             self.busy[r] = False
             return None
         self.busy[r] = True
@@ -136,47 +391,80 @@ class _IdealRun(_Run):
         return res
 
     def _step_end(self, r: int, res: Any, now: float) -> None:
-        # Parked replicas first: the pool is as r's ended step left it, before r's next
-        # step (whose effects the engine applies when it starts) changes it.
-        for other, eng in enumerate(self.engines):
-            if other != r and not self.busy[other] and eng.has_work():
-                self._start_step(other, now)
-        super()._step_end(r, res, now)
+        self.ending = r
+        super()._step_end(r, res, now)  # outputs and completions; its next step waits
+        self.ending = -1
         self._dispatch(now)
 
     def _dispatch(self, now: float) -> None:
+        """Place the central queue's heads on replicas with no step in flight while one
+        has room (_taker), then start every such replica that has work: a request joins
+        a replica's next step, decided when that step starts, as late as possible."""
         central = self.central
-        limit = self.fleet.max_num_seqs
-        budget = self.fleet.max_num_batched_tokens
-        while central:
-            # A replica is idle for prefill while its next step's token budget is not
-            # claimed by prompts it has yet to compute: the least claimed takes the head.
-            best, best_key = -1, (budget, 0)
-            for r, eng in enumerate(self.pooled):
-                key = (eng.pending_prefill(), int(self.busy[r]))
-                if key < best_key and len(eng._running) < limit:
-                    best, best_key = r, key
+        while True:
+            head = central.head()
+            best = -1 if head is None else self._taker(head)
             if best < 0:
-                return
-            rid, req = central.popleft()
+                break
+            rid, req = central.pop()
+            self.queued_s += now - req.arrival
             req.replica = best
             turn = self.wl.clients[req.client].turns[req.turn]
+            if self.oracle is not None:
+                self.oracle.placed(str(rid), req.client, req.turn, now)
             self.engines[best].add_request(
                 EngineRequest(str(rid), None, turn.output_tokens, req.arrival, block_hashes=turn.after_hashes,
                               num_prompt_tokens=turn.prompt_tokens), now)
-            if not self.busy[best]:
-                self._start_step(best, now)
+        for r, eng in enumerate(self.pooled):
+            if not self.busy[r] and eng.has_work():
+                self._start_step(r, now)
+
+    def _taker(self, req: _Request) -> int:
+        """The replica that takes `req` now (module docstring), or -1 when none has room."""
+        turn = self.wl.clients[req.client].turns[req.turn]
+        bt = self.wl.block_tokens
+        blocks = -(-turn.prompt_tokens // bt)
+        limit = self.fleet.max_num_seqs
+        best, best_key = -1, (self.fleet.max_num_batched_tokens, 0)
+        for r, eng in enumerate(self.pooled):
+            if self.busy[r]:
+                continue
+            room = eng._room() - sum(-(-w.num_tokens // bt) for w in eng._waiting)
+            if room < blocks or len(eng._running) + len(eng._waiting) >= limit:
+                continue
+            key = (eng.pending_prefill(), -room)
+            if key < best_key:
+                best, best_key = r, key
+        return best
 
 
-def simulate_ideal(workload: Workload, fleet: FleetParams | None = None) -> SimResult:
-    """Run `workload` on the ideal fleet of fleet.replicas replicas (module docstring)."""
+def simulate_ideal(workload: Workload, fleet: FleetParams | None = None, *, eviction: str = "next-use") -> SimResult:
+    """Run `workload` on the ideal fleet of fleet.replicas replicas (module docstring).
+
+    eviction: "next-use" (the ideal's oracle) or "lru" (the engines' own rule, to measure
+    what the oracle adds). router_stats: preemptions, evicted_blocks (summed over the
+    replicas) and central_wait_mean (seconds a served request waited in the central queue).
+    """
+    if eviction not in EVICTIONS:
+        raise ValueError(f"eviction must be one of {', '.join(EVICTIONS)}, got {eviction!r}")
     fleet = fleet or FleetParams()
-    run = _IdealRun(workload, fleet)
+    run = _IdealRun(workload, fleet, eviction)
     started, cpu_started = time.perf_counter(), time.process_time()
     run.loop()
     rec, m = run.measure()
-    return SimResult("ideal", workload.name, m, rec, {}, time.perf_counter() - started,
-                     time.process_time() - cpu_started, (run.engines[0].stats(),))
+    stats = [e.stats() for e in run.engines]
+    served = max(m.requests, 1)
+    router_stats = {"preemptions": sum(s["preemptions"] for s in stats),
+                    "evicted_blocks": sum(s["evicted_blocks"] for s in stats),
+                    "central_wait_mean": run.queued_s / served}
+    return SimResult("ideal", workload.name, m, rec, router_stats, time.perf_counter() - started,
+                     time.process_time() - cpu_started, tuple(stats))
+
+
+def sweep_ideal(workload: Workload, fleet: FleetParams | None = None, **kwargs: Any) -> SweepResult:
+    """The ideal fleet's goodput: kvroute.sim.sweep's search (same keywords: slo, start,
+    step, bisect, max_ladder, progress) over simulate_ideal; router name "ideal"."""
+    return search(lambda wl: simulate_ideal(wl, fleet), "ideal", workload, **kwargs)
 
 
 def fraction_of_ideal(result: SimResult, ideal: SimResult) -> dict[str, float]:
@@ -210,4 +498,4 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0%}"
 
 
-__all__ = ["fraction_of_ideal", "fraction_text", "simulate_ideal"]
+__all__ = ["EVICTIONS", "fraction_of_ideal", "fraction_text", "simulate_ideal", "sweep_ideal"]

@@ -80,15 +80,31 @@ def sweep(
     progress: Callable[[SweepPoint], None] | None = None,
 ) -> SweepResult:
     """Find a router's goodput on `workload` (see the module docstring)."""
-    if not (isinstance(slo, (int, float)) and math.isfinite(slo) and slo > 0):
-        raise ValueError(f"slo must be a finite number of seconds > 0, got {slo!r}")
-    if not (math.isfinite(start) and start > 0 and math.isfinite(step) and step > 1):
-        raise ValueError(f"start must be > 0 and step > 1, got start={start!r}, step={step!r}")
+    _check(slo, start, step)
     spec = router if isinstance(router, RouterSpec) else router_spec(router)
+    return search(lambda wl: simulate(wl, spec, fleet, impl=impl), spec.name, workload, slo=slo, start=start,
+                  step=step, bisect=bisect, max_ladder=max_ladder, progress=progress)
+
+
+def search(
+    run_one: Callable[[Workload], SimResult],
+    name: str,
+    workload: Workload,
+    *,
+    slo: float = DEFAULT_SLO,
+    start: float = 1.0,
+    step: float = 2.0,
+    bisect: int = 3,
+    max_ladder: int = 6,
+    progress: Callable[[SweepPoint], None] | None = None,
+) -> SweepResult:
+    """sweep() for any fleet: run_one(workload scaled) -> its SimResult (e.g. the ideal
+    fleet, kvroute.sim.ideal.sweep_ideal); name labels the result."""
+    _check(slo, start, step)
     points: dict[float, SweepPoint] = {}
 
     def run(scale: float) -> SweepPoint:
-        res = simulate(workload.scaled(scale), spec, fleet, impl=impl)
+        res = run_one(workload.scaled(scale))
         m = res.metrics
         pt = SweepPoint(scale, m.arrival_rate, m.ttft_p90, bool(m.ttft_p90 <= slo), res)
         points[scale] = pt
@@ -105,8 +121,15 @@ def sweep(
             else:
                 bad = mid
     best = points[good] if good is not None else None
-    return SweepResult(spec.name, workload.name, float(slo), best.arrival_rate if best else 0.0,
+    return SweepResult(name, workload.name, float(slo), best.arrival_rate if best else 0.0,
                        good or 0.0, tuple(points[k] for k in sorted(points)))
+
+
+def _check(slo: float, start: float, step: float) -> None:
+    if not (isinstance(slo, (int, float)) and math.isfinite(slo) and slo > 0):
+        raise ValueError(f"slo must be a finite number of seconds > 0, got {slo!r}")
+    if not (math.isfinite(start) and start > 0 and math.isfinite(step) and step > 1):
+        raise ValueError(f"start must be > 0 and step > 1, got start={start!r}, step={step!r}")
 
 
 def _ladder(run: Callable[[float], SweepPoint], start: float, step: float,
@@ -122,4 +145,4 @@ def _ladder(run: Callable[[float], SweepPoint], start: float, step: float,
     return (scale, None) if first else (None, scale)
 
 
-__all__ = ["DEFAULT_SLO", "QUANTILE", "SweepPoint", "SweepResult", "sweep"]
+__all__ = ["DEFAULT_SLO", "QUANTILE", "SweepPoint", "SweepResult", "search", "sweep"]
