@@ -139,9 +139,8 @@ class _PooledEngine(Engine):
             if r.out >= r.max_tokens:  # finished: its lookups are done
                 oracle.finished(r.id, r.hashes[: min((r.prompt_len - 1) // self._bs, len(r.hashes))])
             ref, hashes = self._ref, self._hash
-            for pos, b in enumerate(blocks):
-                if ref[b] == 0:
-                    oracle.push(b, hashes[b], pos)
+            freed = [b for b in blocks if ref[b] == 0]
+            oracle.push(freed, [hashes[b] for b in freed])
 
     def _cache(self, r: _Req, num_tokens: int) -> None:
         start = r.n_cached
@@ -177,7 +176,9 @@ class _NextUse:
         self.lag = [0.0] * len(workload.clients)
         self.times: dict[str, float] = {}  # engine request id -> its nominal arrival
         self.stamp = [0] * num_blocks
-        self.heap = [(-math.inf, 0, 0, b) for b in range(num_blocks)]  # all free, uncached
+        # Groups of blocks freed together with one next use: (-next use, -last position,
+        # stamp, blocks in position order, taken from the end). At first: all, uncached.
+        self.heap: list[tuple[float, int, int, list[int]]] = [(-math.inf, 0, 0, list(range(num_blocks)))]
         self.seq = 0
 
     def placed(self, rid: str, client: int, turn: int, now: float) -> None:
@@ -186,27 +187,48 @@ class _NextUse:
         self.times[rid] = t
         self.lag[client] = now - t
 
-    def push(self, b: int, h: int | None, pos: int) -> None:
-        """Block b (hash h, position pos in its request) entered the free queue."""
-        lst = self.uses.get(h) if h is not None else None
-        key = -(lst[0] + self.lag[self.users[h][0]]) if lst else -math.inf
+    def push(self, blocks: list[int], hashes: list[int | None]) -> None:
+        """These blocks of one request (in position order, with their hashes) entered the
+        free queue."""
+        uses, users, lag, stamp = self.uses, self.users, self.lag, self.stamp
+        group: list[int] = []
+        key = 0.0
+        for pos, (b, h) in enumerate(zip(blocks, hashes)):
+            lst = uses.get(h) if h is not None else None
+            k = -(lst[0] + lag[users[h][0]]) if lst else -math.inf
+            if group and k != key:
+                self._group(key, pos - 1, group)
+                group = []
+            key = k
+            group.append(b)
+        if group:
+            self._group(key, len(blocks) - 1, group)
+
+    def _group(self, key: float, last: int, group: list[int]) -> None:
         self.seq += 1
-        self.stamp[b] = self.seq
-        heapq.heappush(self.heap, (key, -pos, self.seq, b))
+        seq = self.seq
+        stamp = self.stamp
+        for b in group:
+            stamp[b] = seq
+        heapq.heappush(self.heap, (key, -last, seq, group))
 
     def pop(self, free: dict[int, None]) -> int:
         """Take the victim out of `free` and return it."""
         heap, stamp = self.heap, self.stamp
         if len(heap) > 4 * len(free) + 65_536:
-            # Keys of free blocks change only through a re-push, so the live entries are
-            # exactly those whose stamp matches.
-            self.heap = heap = [e for e in heap if stamp[e[3]] == e[2] and e[3] in free]
+            # A group's blocks are live while their stamp is its own and they are free.
+            self.heap = heap = [e for e in heap if any(stamp[b] == e[2] and b in free for b in e[3])]
             heapq.heapify(heap)
         while True:
-            _, _, seq, b = heapq.heappop(heap)
-            if stamp[b] == seq and b in free:
-                del free[b]
-                return b
+            _, _, seq, group = heap[0]
+            while group:
+                b = group.pop()
+                if stamp[b] == seq and b in free:
+                    if not group:
+                        heapq.heappop(heap)
+                    del free[b]
+                    return b
+            heapq.heappop(heap)
 
     def finished(self, rid: str, hashes: list[int]) -> None:
         """Request rid finished: its lookups of `hashes` are no longer future uses."""
@@ -214,12 +236,12 @@ class _NextUse:
         uses, users = self.uses, self.users
         for h in hashes:
             lst = uses[h]
-            i = bisect.bisect_left(lst, t)
-            del lst[i]
-            if lst:
-                del users[h][i]
-            else:
+            if len(lst) == 1:
                 del uses[h], users[h]
+                continue
+            i = 0 if lst[0] == t else bisect.bisect_left(lst, t)
+            del lst[i]
+            del users[h][i]
 
 
 def _nominal_uses(workload: Workload, fleet: FleetParams,
@@ -231,7 +253,9 @@ def _nominal_uses(workload: Workload, fleet: FleetParams,
     nominal arrival plus an estimate of that turn's service: its prefill at the full rate
     and its decode steps at twice the fixed step cost."""
     bt = workload.block_tokens
-    pairs: dict[int, list[tuple[float, int]]] = {}
+    uses: dict[int, list[float]] = {}
+    users: dict[int, list[int]] = {}
+    unsorted: set[int] = set()
     nominal: list[list[float]] = []
     for c, client in enumerate(workload.clients):
         t = float(client.start)
@@ -241,22 +265,22 @@ def _nominal_uses(workload: Workload, fleet: FleetParams,
                 t += turn.think_time
             times.append(t)
             if -(-(turn.prompt_tokens + turn.output_tokens) // bt) <= kv_blocks:  # else rejected
-                use = (t, c)
                 for h in turn.after_hashes[: (turn.prompt_tokens - 1) // bt].tolist():
-                    lst = pairs.get(h)
+                    lst = uses.get(h)
                     if lst is None:
-                        pairs[h] = [use]
+                        uses[h] = [t]
+                        users[h] = [c]
                     else:
-                        lst.append(use)
+                        if t < lst[-1]:
+                            unsorted.add(h)
+                        lst.append(t)
+                        users[h].append(c)
             t += turn.prompt_tokens * fleet.per_token_s + turn.output_tokens * 2 * fleet.step_fixed_s
         nominal.append(times)
-    uses: dict[int, list[float]] = {}
-    users: dict[int, list[int]] = {}
-    for h, lst in pairs.items():
-        if len(lst) > 1:
-            lst.sort()
-        uses[h] = [u[0] for u in lst]
-        users[h] = [u[1] for u in lst]
+    for h in unsorted:
+        pairs = sorted(zip(uses[h], users[h]))
+        uses[h] = [u[0] for u in pairs]
+        users[h] = [u[1] for u in pairs]
     return uses, users, nominal
 
 
@@ -374,11 +398,11 @@ class _IdealRun(_Run):
         if r == self.ending:
             return None  # _step_end starts it after the central queue had its turn
         eng = self.engines[r]
-        # A decode stretch applies its whole effect (blocks freed at its end) at its start:
-        # while a request waits (centrally or in an engine), every replica steps one at a
-        # time, so room and the pool's blocks change when the steps would change them.
-        waiting = bool(self.central) or any(e.load()[0] for e in self.engines)
-        res = None if waiting else eng.run_decodes(now, self._horizon(now))
+        # A decode stretch (kvroute.sim.engine.run_decodes) applies its effects at its start;
+        # no request is placed on a replica while its step is in flight, so its early freed
+        # room is not seen. Not while its engine has a request waiting: a block another
+        # replica stores could make that one fit before the stretch ends.
+        res = None if eng._waiting else eng.run_decodes(now, self._horizon(now))
         if res is None:
             res = eng.step(now)
         if not res.scheduled and not res.outputs and res.steps == 1:
@@ -425,14 +449,15 @@ class _IdealRun(_Run):
         bt = self.wl.block_tokens
         blocks = -(-turn.prompt_tokens // bt)
         limit = self.fleet.max_num_seqs
-        best, best_key = -1, (self.fleet.max_num_batched_tokens, 0)
+        best, best_key = -1, (self.fleet.max_num_batched_tokens, 0, 0)
         for r, eng in enumerate(self.pooled):
             if self.busy[r]:
                 continue
             room = eng._room() - sum(-(-w.num_tokens // bt) for w in eng._waiting)
             if room < blocks or len(eng._running) + len(eng._waiting) >= limit:
                 continue
-            key = (eng.pending_prefill(), -room)
+            # Then the one whose next step is shortest: fewest decode tokens and KV to read.
+            key = (eng.pending_prefill(), sum(q.num_tokens for q in eng._running), -room)
             if key < best_key:
                 best, best_key = r, key
         return best
