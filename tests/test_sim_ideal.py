@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvroute import sim
-from kvroute.sim.ideal import fraction_of_ideal, simulate_ideal, sweep_ideal
+from kvroute.sim.ideal import fraction_of_ideal, goodput_fraction, goodput_text, simulate_ideal, sweep_ideal
 from kvroute.sim.workloads import Client, Turn, Workload
 
 # 10 ms per step plus 1 ms per batched token, no KV read cost: every time below is exact.
@@ -188,5 +188,9 @@ def test_the_ideal_bounds_goodput():
     kw = {"slo": 0.5, "bisect": 2, "max_ladder": 4}
     ideal = sweep_ideal(wl, fleet, **kw)
     assert ideal.goodput > 0 and ideal.router == "ideal"
-    for router in ("round-robin", "sticky", "cache-aware", "ttft"):
-        assert sim.sweep(wl, router, fleet, **kw).goodput <= ideal.goodput, router
+    sweeps = [sim.sweep(wl, router, fleet, **kw) for router in ("round-robin", "sticky", "cache-aware", "ttft")]
+    for sw in sweeps:
+        assert sw.goodput <= ideal.goodput, sw.router
+        assert goodput_fraction(sw, ideal) == pytest.approx(sw.goodput / ideal.goodput)
+    text = goodput_text(sweeps, ideal)
+    assert text.startswith("goodput as a fraction of the ideal's: round-robin ") and ", ttft " in text

@@ -88,9 +88,9 @@ def test_cli_scenario_and_ideal(capsys):
     assert cli.main(argv + ["--scenario", "deploy@10"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "every replica restarts at 10 s" in out[0] and out[1].startswith("router") and out[2].startswith("round-robin")
-    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--no-ideal"]) == 0
     assert not any(line.startswith("ideal") for line in capsys.readouterr().out.splitlines())
-    assert cli.main(argv + ["--ideal"]) == 0
+    assert cli.main(argv) == 0  # the ideal row by default
     out = capsys.readouterr().out.splitlines()
     assert out[4].startswith("ideal") and out[5].startswith("fraction of the ideal (hit rate / p90 TTFT): round-robin")
     assert cli.main(argv + ["--scenario", "deploy"]) == 2

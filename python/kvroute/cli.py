@@ -120,16 +120,30 @@ def _sweep(args: argparse.Namespace, workload: object, specs: list, fleet: objec
                   file=sys.stderr)
         sweeps.append(sim.sweep(workload, spec, fleet, slo=args.slo, start=args.sweep_start,
                                 progress=note if args.progress or sys.stderr.isatty() else None))
+    ideal = None
+    if args.ideal:
+        from .sim.ideal import goodput_fraction, goodput_text, sweep_ideal
+
+        ideal = sweep_ideal(workload, fleet, slo=args.slo, start=args.sweep_start,  # type: ignore[arg-type]
+                            progress=note if args.progress or sys.stderr.isatty() else None)
     title = f"{workload.description}; {fleet.replicas} replicas, {fleet.knowledge}"  # type: ignore[attr-defined]
     if args.plot:
-        base = [sw.at(args.sweep_start).result for sw in sweeps]  # type: ignore[union-attr]
-        report.plot(base, args.plot, title, sweeps=sweeps)
+        shown = sweeps + ([ideal] if ideal is not None else [])
+        base = [sw.at(args.sweep_start).result for sw in shown]  # type: ignore[union-attr]
+        report.plot(base, args.plot, title, sweeps=shown)
     if args.json:
-        print(json.dumps({"workload": workload.description, "slo": args.slo,  # type: ignore[attr-defined]
-                          "sweeps": [sw.as_dict() for sw in sweeps]}, indent=2))
+        out = {"workload": workload.description, "slo": args.slo,  # type: ignore[attr-defined]
+               "sweeps": [sw.as_dict() for sw in sweeps]}
+        if ideal is not None:
+            out["ideal"] = ideal.as_dict()
+            for d, sw in zip(out["sweeps"], sweeps):
+                d["goodput_fraction_of_ideal"] = goodput_fraction(sw, ideal)
+        print(json.dumps(out, indent=2))
     else:
         print(f"{title}; goodput = highest arrival rate with p90 TTFT <= {args.slo:g} s")
-        print(report.sweep_table(sweeps))
+        print(report.sweep_table(sweeps + ([ideal] if ideal is not None else [])))
+        if ideal is not None:
+            print(goodput_text(sweeps, ideal))
         if args.plot:
             print(f"p90 TTFT vs arrival rate and per-replica prefill seconds: {args.plot}")
     return 0
@@ -213,10 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--plot", metavar="FILE.png",
                        help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
-    p_sim.add_argument("--ideal", action="store_true",
-                       help="also run the ideal fleet (one shared cache, one central queue) and print each router "
-                            "as a fraction of it; off by default: on overloaded workloads the ideal model is not "
-                            "yet a bound (routers beat it on chat), see docs/results.md")
+    p_sim.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
+                       help="also run the ideal fleet (kvroute.sim.ideal: one shared prefix cache, one central "
+                            "queue) and print each router as a fraction of it (default; it costs about as much "
+                            "CPU as three or four routers: --no-ideal skips it)")
     p_sim.add_argument("--scenario", default=None, metavar="KIND@T[+N]",
                        help="deploy@300 (every replica restarts at 300 s) or scale-out@300+2 (2 replicas join): "
                             "hit-rate recovery per router")

@@ -203,7 +203,8 @@ def findings(d: dict[str, Any]) -> list[str]:
         frac = sim["fraction_of_ideal"]["ttft_p90"]
         if frac is not None and frac < 0.5:
             out.append(f"QUEUEING: p90 TTFT is {sim['router']['ttft_p90']:.2f} s against {sim['ideal']['ttft_p90']:.2f} s "
-                       "for the ideal fleet (one shared cache, one central queue): load, not cache, dominates.")
+                       "for the ideal fleet (one shared cache, one central queue, shortest first): requests "
+                       "queue where the ideal's central queue would have found a replica.")
     if not out:
         out.append("No failure mode stands out: the fleet's caches hold the working set and the router keeps "
                    "most of what one shared cache would.")

@@ -2,45 +2,47 @@
 
 One shared prefix cache holding the fleet's total KV memory, and one central queue from
 which any idle replica takes the next request. Built from the fleet model's own parts
-(kvroute.sim.fleet, kvroute.sim.engine): the same replicas, each with its own scheduler,
-token budget, max_num_seqs, step time and share of KV memory for its running requests;
-only what no router controls differs:
+(kvroute.sim.fleet, kvroute.sim.engine): the same replicas, each with its own scheduler
+(vLLM's: running first, FCFS admission, chunked prefill), token budget, max_num_seqs,
+step time and share of the KV memory for its running requests. What differs is what no
+router controls:
 
 - One prefix cache. The engines share one pool of replicas x cache_tokens blocks (one
   hash table, one free queue): a block any replica computed is a prefix hit on every
-  replica. A replica's running requests still hold at most one replica's memory (its
-  quota: the distinct blocks they pin, as on a real replica), so no replica runs more
-  than it could alone and none preempts because of another's requests; the blocks no
-  request runs on are the cache, of whatever size the running ones leave, fleet-wide.
-- Eviction by next use (Belady's rule, an oracle): when the pool needs a block it takes
-  the free block whose hash the workload looks up next farthest in the future, first
-  those no unfinished request looks up again. Next uses are nominal: a closed-loop
-  client's turn arrives its think time after the previous one's nominal arrival plus an
-  estimate of its service (the real arrival depends on the run). Engines evict LRU; a
-  router can only choose where a request goes, not what its engine keeps, so LRU alone
-  is not a limit: a pooled LRU cache of the fleet's size keeps fewer chat histories
-  than sticky routing's eight separate ones (measured: 40% against sticky's 42% on chat
-  at 8 replicas; 56% with next-use eviction).
-- One central queue, shortest first: a request waits centrally, ordered by the prompt
-  tokens the cache lacked when it arrived (fewest first, then arrival), and a replica
-  takes the head when nothing waits in its engine, it runs fewer than max_num_seqs
-  requests, the prompt tokens it has yet to compute are fewer than one step's token
-  budget, and its free quota holds the head's prompt: the one with the fewest such
-  tokens, then one with no step in flight, then the most free quota. No request queues
-  behind a replica's prefill or memory while another replica has room, and no router
-  decision is made. Shortest first, not FIFO: under overload FIFO makes every request of
-  a burst wait as long as the burst, and p90 TTFT is set by the queue order, which no
-  router controls (each engine is FCFS); p99 can be worse than a router's.
+  replica. Each replica's running requests hold at most one replica's memory: the blocks
+  it took out of the free queue count against its quota (a hit on a block another
+  replica's request is running on costs nothing: the cache is one memory). No replica
+  runs more than it could alone, and none preempts for want of another's memory.
+- Eviction by next use (Belady's rule, an oracle): the pool gives out first the free
+  blocks that no unfinished request looks up, then the one whose next lookup is farthest
+  away. A lookup's time is nominal: a client's turn arrives its think time after the
+  previous turn's nominal arrival plus an estimate of that turn's service, shifted by
+  how late the client's last request was placed. Engines evict LRU, and LRU is no limit:
+  one pooled LRU cache of the fleet's memory keeps fewer chat histories than sticky
+  routing's separate ones.
+- One central queue, fewest uncached prompt tokens first (then arrival), re-keyed as the
+  cache changes. When a replica's step ends (or it is idle) it takes the head while it
+  runs fewer than max_num_seqs requests, its prompt tokens yet to compute are fewer than
+  one step's token budget, and its free quota holds the head's prompt; among several,
+  the one with the fewest such tokens, then the fewest decode tokens, then the most free
+  quota. A request joins a replica's next step, chosen as late as possible; no request
+  waits behind a replica's prefill or memory while another has room. Shortest first, not
+  FIFO: under overload FIFO makes every request of a burst wait as long as the burst, and
+  the order requests leave a queue, which engines keep FCFS, sets p90 TTFT.
 
-Not a proof: a run is a closed loop (a faster fleet brings the next turns sooner), the
-next uses are nominal and the queue order a heuristic, so a router can, in principle,
-beat the ideal on some metric of some run; a fraction above 1 shows it (docs/results.md
-checks every policy on every workload). Preemptions, evictions and the time requests
-spent in the central queue are in the result's router_stats.
+Not a proof, and not a bound on everything: p99 TTFT can be worse than a router's
+(shortest first makes the longest prompts wait); where nothing queues a router can come
+within a step or two of the ideal's p90 TTFT; a run is a closed loop (a faster fleet
+brings the next turns sooner) and next uses are nominal. Blocks a step computes are
+visible to every replica from that step's start, up to one step early for the others (the
+engine model registers them when it runs the step): optimistic, as a limit may be.
+docs/results.md checks every policy against it on every workload; tests/test_sim_ideal.py
+on small ones.
 
-`simulate_ideal()` returns a SimResult like kvroute.sim.simulate (router name "ideal");
-`fraction_of_ideal()` expresses a run against it: hit rate / ideal hit rate, ideal p90
-TTFT / p90 TTFT (1.0 = as fast as the ideal), goodput / ideal goodput when measured.
+`simulate_ideal()` returns a SimResult like kvroute.sim.simulate (router name "ideal";
+router_stats: preemptions, evicted blocks, mean wait in the central queue);
+`sweep_ideal()` its goodput; `fraction_of_ideal()` expresses a run against it: hit rate /
+ideal hit rate, ideal p90 TTFT / p90 TTFT (1.0 = as fast as the ideal).
 """
 
 from __future__ import annotations
@@ -492,22 +494,30 @@ def sweep_ideal(workload: Workload, fleet: FleetParams | None = None, **kwargs: 
     return search(lambda wl: simulate_ideal(wl, fleet), "ideal", workload, **kwargs)
 
 
+def _ratio(x: float | None, y: float | None) -> float:
+    if x is None or y is None or math.isnan(x) or math.isnan(y) or y == 0:
+        return math.nan
+    return x / y
+
+
 def fraction_of_ideal(result: SimResult, ideal: SimResult) -> dict[str, float]:
     """A run as a fraction of the ideal: hit_rate (its / ideal's), ttft_p90 and
-    ttft_mean (ideal's / its: 1.0 = as fast as the ideal), goodput (its / ideal's, when
-    the metrics have one); nan when undefined."""
+    ttft_mean (ideal's / its: 1.0 = as fast as the ideal); nan when undefined."""
     a, b = result.metrics, ideal.metrics
+    return {"hit_rate": _ratio(a.hit_rate, b.hit_rate), "ttft_p90": _ratio(b.ttft_p90, a.ttft_p90),
+            "ttft_mean": _ratio(b.ttft_mean, a.ttft_mean)}
 
-    def ratio(x: float | None, y: float | None) -> float:
-        if x is None or y is None or math.isnan(x) or math.isnan(y) or y == 0:
-            return math.nan
-        return x / y
 
-    out = {"hit_rate": ratio(a.hit_rate, b.hit_rate), "ttft_p90": ratio(b.ttft_p90, a.ttft_p90),
-           "ttft_mean": ratio(b.ttft_mean, a.ttft_mean)}
-    if hasattr(a, "goodput"):
-        out["goodput"] = ratio(getattr(a, "goodput"), getattr(b, "goodput"))
-    return out
+def goodput_fraction(result: SweepResult, ideal: SweepResult) -> float:
+    """A router's goodput over the ideal's (sweep_ideal, same SLO and search); nan when
+    the ideal's is 0."""
+    return _ratio(result.goodput, ideal.goodput)
+
+
+def goodput_text(sweeps: list[SweepResult], ideal: SweepResult) -> str:
+    """One line: each router's goodput as a fraction of the ideal's."""
+    return "goodput as a fraction of the ideal's: " + ", ".join(
+        f"{sw.router} {_pct(goodput_fraction(sw, ideal))}" for sw in sweeps)
 
 
 def fraction_text(results: list[SimResult], ideal: SimResult) -> str:
@@ -523,4 +533,5 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0%}"
 
 
-__all__ = ["EVICTIONS", "fraction_of_ideal", "fraction_text", "simulate_ideal", "sweep_ideal"]
+__all__ = ["EVICTIONS", "fraction_of_ideal", "fraction_text", "goodput_fraction", "goodput_text", "simulate_ideal",
+           "sweep_ideal"]
