@@ -352,7 +352,11 @@ class _CentralQueue:
 
     def pop(self) -> tuple[int, _Request]:
         """Remove the head (after head())."""
-        _, rid, _ = heapq.heappop(self.heap)
+        while True:
+            _, rid, seq = heapq.heappop(self.heap)
+            st = self.stamp.get(rid)
+            if st is not None and st[1] == seq:
+                break
         req = self.items.pop(rid)[0]
         del self.stamp[rid]
         return rid, req
