@@ -98,3 +98,57 @@ def test_external_load_decides_like_own_load(impl_name, config, seed, ops):
                 p.set_healthy(op[1], healthy)
                 q.set_healthy(op[1], healthy)
     assert p.stats() | {"in_flight": 0} == q.stats() | {"in_flight": 0}
+
+
+EXTERNAL = st.fixed_dictionaries(
+    {k: st.sampled_from([0, 1, 3, 1000, 2**40]) for k in
+     ("in_flight", "queued_prefill_tokens", "prefill_requests", "prefill_blocks", "decode_blocks")}
+)  # fmt: skip
+
+
+@given(
+    config=CONFIGS,
+    seed=st.integers(0, 2**32),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("route"), st.integers(0, len(FAMILIES) - 1), st.integers(1, 48),
+                      st.sampled_from([None, "s0", "s1"])),
+            st.tuples(st.just("external"), st.sampled_from(NAMES), EXTERNAL),
+            st.tuples(st.just("bind"), st.sampled_from(["s0", "s1"]), st.sampled_from(NAMES)),
+            st.tuples(st.just("observe"), st.sampled_from(NAMES), st.integers(0, len(FAMILIES) - 1),
+                      st.integers(1, 48)),
+            st.tuples(st.just("finish"), st.integers(0, 20)),
+        ),
+        max_size=30,
+    ),
+)
+def test_native_and_reference_agree_with_shared_state(config, seed, steps):
+    """The C6 calls, external loads up to the 2**40 bound included, on both
+    implementations: the same decisions, loads and session bindings."""
+    mode, policy = config
+    cfg = RouterConfig(policy=policy, mode=mode, block_size=BS, seed=seed)
+    routers = [load_impl(name).Router(cfg, NAMES) for name in IMPLEMENTATIONS]
+    handles: list[int] = []
+    for i, step in enumerate(steps):
+        t = i * 0.1
+        out = []
+        for r in routers:
+            kind = step[0]
+            if kind == "route":
+                out.append(_fields(r.route(FAMILIES[step[1]][: step[2]], session=step[3], now=t)))
+            elif kind == "external":
+                r.set_external_load(step[1], **step[2])
+            elif kind == "bind":
+                r.bind_session(step[1], step[2], now=t)
+            elif kind == "observe":
+                hashes = load_impl("reference").block_hashes(FAMILIES[step[2]][: step[3]], BS)
+                out.append(r.observe_route(step[1], hashes, now=t))
+            elif handles:
+                r.finish(handles[step[1] % len(handles)])
+            out.append([r.load(n) for n in NAMES])
+            out.append([r.session(s, now=t) for s in ("s0", "s1")])
+        assert out[: len(out) // 2] == out[len(out) // 2 :]
+        if step[0] == "route":
+            handles.append(out[0][-1])
+        elif step[0] == "finish" and handles:
+            handles.pop(step[1] % len(handles))
