@@ -351,6 +351,7 @@ def main() -> int:
     p.add_argument("--restart-duration", type=float, default=120.0)
     p.add_argument("--restart-at", type=float, default=60.0)
     p.add_argument("--window", type=float, default=5.0)
+    p.add_argument("--restarts", default="snapshot,cold", help="restart runs: snapshot (--state-dir), cold")
     p.add_argument("--time-scale", type=float, default=0.25)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=200)
@@ -373,7 +374,7 @@ def main() -> int:
         if "scaling" in only:
             rows = scaling(args, url)
         if "restart" in only:
-            restarts = [restart(args, True), restart(args, False)]
+            restarts = [restart(args, kind == "snapshot") for kind in args.restarts.split(",")]
     cmd = ("python scripts/results_gateways.py " + " ".join(sys.argv[1:])).strip()
     block = render(rows, restarts, stale, args, cmd)
     print(block)

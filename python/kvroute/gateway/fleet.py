@@ -104,7 +104,7 @@ class Fleet:
         """{replica name: {"seq", "digest"}} of the last batch applied per followed replica."""
         out = {}
         for name, rep in list(self.replicas.items()):
-            if rep.subscriber is not None and hasattr(rep.subscriber, "cursors"):
+            if rep.subscriber is not None:
                 cur = rep.subscriber.cursors().get(rep.id)
                 if cur is not None:
                     out[name] = {"seq": int(cur["seq"]), "digest": int(cur["digest"])}
