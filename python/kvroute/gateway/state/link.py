@@ -25,7 +25,7 @@ class RedisLink:
     """A redis.asyncio client, up/down state, bounded calls and reconnection."""
 
     def __init__(self, url: str, *, timeout: float, backoff: float = 0.1, max_backoff: float = 2.0,
-                 metrics: Any = None, max_connections: int = 16) -> None:
+                 metrics: Any = None, max_connections: int = 64) -> None:
         import redis.asyncio as aioredis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -34,9 +34,12 @@ class RedisLink:
         self.timeout = timeout
         self.backoff, self.max_backoff = backoff, max_backoff
         self.metrics = metrics  # GatewayMetrics or None
-        self.client = aioredis.Redis.from_url(url, socket_connect_timeout=max(timeout, 0.001),
-                                              retry=Retry(NoBackoff(), 0), decode_responses=False,
-                                              max_connections=max_connections)
+        # A blocking pool: under a burst, commands wait for a free connection (within their
+        # timeout) instead of failing with "too many connections" and taking the link down.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=None, socket_connect_timeout=max(timeout, 0.001),
+            retry=Retry(NoBackoff(), 0), decode_responses=False)
+        self.client = aioredis.Redis(connection_pool=pool)
         self.up = False
         self.outages = 0
         self.errors = 0
@@ -62,7 +65,7 @@ class RedisLink:
             await asyncio.gather(self._probe, return_exceptions=True)
             self._probe = None
         try:
-            await asyncio.wait_for(self.client.aclose(), 1.0)
+            await asyncio.wait_for(self.client.aclose(close_connection_pool=True), 1.0)
         except Exception:  # noqa: BLE001 - closing a pool to a dead server may fail; nothing to do
             pass
 
