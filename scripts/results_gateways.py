@@ -292,7 +292,8 @@ def render(rows: list[dict[str, Any]], restarts: list[dict[str, Any]], stale: di
                 "counts only real cache hits. Without shared state, round-robin over four approximate gateways "
                 "scatters each conversation over four routers that each saw a quarter of the routes: the next turn "
                 "lands where no gateway knows its history is. Precise gateways each follow every engine's events, "
-                "so they keep most of it even without Redis; Redis adds the sessions and the whole fleet's load.",
+                "so they keep most of it even without Redis; the sessions and the whole fleet's load that Redis "
+                "adds make up the rest.",
                 ""]
     if restarts:
         out += [f"Restart of one precise gateway after {args.restart_at:g} s of a {args.restart_duration:g} s run "
