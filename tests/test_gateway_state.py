@@ -213,6 +213,12 @@ def test_state_dir_restores_index_and_sessions_at_start(fleet, tmp_path):
         assert st["restored"]["sessions"] >= 1 and st["refused"] is None
     finally:
         again.stop()
+    # Replicas the file names but the configuration does not are dropped again.
+    fewer = GatewayThread(GatewayConfig(replicas=specs(fleet)[:3], port=free_port(), state_dir=state_dir))
+    try:
+        assert sorted(fewer.app.router.replicas) == ["e0", "e1", "e2"] and fewer.app.snapshots.restored is not None
+    finally:
+        fewer.app.fleet.close()
     # A corrupt file is refused: the gateway starts cold and says why.
     path = tmp_path / "state" / "router.kvrsnap"
     data = bytearray(path.read_bytes())
