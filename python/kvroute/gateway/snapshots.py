@@ -54,10 +54,9 @@ class Snapshots:
         configured = set(self.fleet.replicas)
         for name in info.get("replicas", []):
             if name not in configured and name in self.router.replicas:  # the configuration decides
-                rid = self.router.replica_id(name)
-                self.router.remove_replica(name)
                 if self.fleet.applier is not None:
-                    self.fleet.applier.clear_replica(rid)
+                    self.fleet.applier.clear_replica(self.router.replica_id(name))
+                self.router.remove_replica(name)
         self.restored = info
         log.warning("snapshot %s restored: %d blocks, %d sessions, written %.1f s ago", self.path,
                     info.get("blocks", 0), info.get("sessions", 0), info.get("age", float("nan")))
