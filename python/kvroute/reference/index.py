@@ -509,6 +509,15 @@ class PrefixIndex:
             r = self._replica(replica)
             hs, ps, hd, ag = _import_arrays(hashes, parents, held, ages)
             t = _now(now)
+            self._check_contents(hs, ps, hd, ag)
+            self._drop_all(r)
+            self._load(r, hs, ps, hd, ag, self._advance(t))
+            return self._count[r]
+
+    def _check_contents(self, hs: list[int], ps: list[int], hd: list[int], ag: list[float]) -> None:
+        """ValueError naming the first thing import_replica refuses: the shape of an export,
+        or a block whose parent differs from the one the index already has."""
+        with self._lock:
             _check_import(hs, ps, hd, ag)
             blocks = self._blocks
             for i, h in enumerate(hs):
@@ -516,9 +525,6 @@ class PrefixIndex:
                 want = None if ps[i] < 0 else hs[ps[i]]
                 if b is not None and b.parent != want:
                     raise ValueError(f"block 0x{h:016x} at index {i} is already in the index under a different parent")
-            self._drop_all(r)
-            self._load(r, hs, ps, hd, ag, self._advance(t))
-            return self._count[r]
 
     def _preorder(self, bit: int) -> list[int]:
         """Blocks held under `bit` and their ancestors, depth first, siblings by hash."""

@@ -15,23 +15,20 @@ a failure (ValueError naming the problem) leaves router and applier as they were
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .._snapshot_args import cursors_arg, path_arg
+from .._snapshot_io import MAX_FILE_BYTES, cursors_arg, path_arg, read_file, write_atomic
 from .binio import Reader, Writer
-from .index import _check_import, _now
+from .index import _now
 
 MAGIC = b"KVRSNAP"
 """First 7 bytes of every snapshot file."""
 VERSION = 1
 """The format version this module writes and reads."""
-MAX_FILE_BYTES = 1 << 34
-"""Largest snapshot restore() reads (16 GiB); a bigger file is refused before it is read."""
 
 _MODES = ("approximate", "precise", "hybrid")
 _ROOT = (1 << 64) - 1
@@ -49,7 +46,7 @@ def snapshot(router: Any, path: Any, *, applier: Any = None, cursors: Any = None
     with router._lock:
         _check_applier(router, applier)
         data, info = _encode(router, applier, curs, t)
-    _write_atomic(p, data)
+    write_atomic(p, data)
     info["bytes"] = len(data)
     return info
 
@@ -59,7 +56,7 @@ def restore(router: Any, path: Any, *, applier: Any = None, now: Any = None) -> 
     p = path_arg(path)
     _applier_arg(applier)
     t = time.monotonic() if now is None else _now(now)
-    data = _read(p)
+    data = read_file(p)
     with router._lock:
         _check_applier(router, applier)
         snap = _decode(data, router, applier)
@@ -155,24 +152,7 @@ def _section(w: Writer, tag: bytes, body: Writer) -> None:
     w.raw(bytes(body.buf))
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # -- reading --------------------------------------------------------------------------------
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"snapshot is {size} bytes, more than the {MAX_FILE_BYTES} bytes restore reads")
-        return f.read()
 
 
 def _decode(data: bytes, router: Any, applier: Any) -> dict[str, Any]:
@@ -234,6 +214,8 @@ def _section_decode(tag: bytes, rd: Reader, snap: dict[str, Any], router: Any, a
         raise ValueError(f"snapshot is corrupt: section {tag.hex()} is repeated")
     elif not 0x61 <= tag[0] <= 0x7A:  # a lowercase first letter marks a section readers may skip
         raise ValueError(f"snapshot has an unknown required section {tag.hex()}")
+    else:
+        rd.pos = rd.end
 
 
 def _conf(rd: Reader, router: Any) -> float:
@@ -267,10 +249,6 @@ def _replica(rd: Reader, i: int) -> dict[str, Any]:
     parents = [-1 if p == _ROOT else min(p, 1 << 62) for p in nodes[:, 1].tolist()]
     held = [min(x, 1 << 62) for x in rec["i"].tolist()]
     ages = rec["age"].tolist()
-    try:
-        _check_import(hashes, parents, held, ages)
-    except ValueError as exc:
-        raise ValueError(f"snapshot is corrupt: replica '{name}': {exc}") from None
     return {"name": name, "k": k, "arrays": (hashes, parents, held, ages)}
 
 
@@ -302,9 +280,9 @@ def _check_whole(snap: dict[str, Any], router: Any, applier: Any) -> None:
     names = [x["name"] for x in reps]
     if len(set(names)) != len(names):
         raise ValueError("snapshot is corrupt: a replica name is repeated")
-    for key, i, _, _ in snap["sessions"]:
+    for j, (_, i, _, _) in enumerate(snap["sessions"]):
         if i >= len(reps):
-            raise ValueError(f"snapshot is corrupt: session {key!r} names replica {i} of {len(reps)}")
+            raise ValueError(f"snapshot is corrupt: session {j} names replica {i} of {len(reps)}")
     if applier is not None:
         media = set(applier._media)
         for i, x in enumerate(reps):
@@ -316,17 +294,18 @@ def _check_whole(snap: dict[str, Any], router: Any, applier: Any) -> None:
 
         if len(media) > MAX_MEDIA:
             raise ValueError(f"applier state names too many media: an applier tells at most {MAX_MEDIA} apart")
-    parent_of: dict[int, int | None] = {}
-    blocks = router._index._blocks
+    for x in reps:
+        try:
+            router._index._check_contents(*x["arrays"])
+        except ValueError as exc:
+            raise ValueError(f"snapshot replica '{x['name']}': {exc}") from None
+    parent_of: dict[int, int] = {}
     for x in reps:
         hashes, parents, _, _ = x["arrays"]
         for j, h in enumerate(hashes):
-            p = None if parents[j] < 0 else hashes[parents[j]]
+            p = -1 if parents[j] < 0 else hashes[parents[j]]
             if parent_of.setdefault(h, p) != p:
                 raise ValueError(f"snapshot is corrupt: block 0x{h:016x} has two parents")
-            b = blocks.get(h)
-            if b is not None and b.parent != p:
-                raise ValueError(f"block 0x{h:016x} of replica '{x['name']}' is already in the index under a different parent")
 
 
 def _utf8(b: bytes, what: str) -> str:

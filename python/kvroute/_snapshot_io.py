@@ -1,6 +1,7 @@
-"""Argument checks shared by both Router.snapshot/restore implementations (like config.py).
+"""Argument checks and file I/O shared by both Router.snapshot/restore implementations.
 
-The native binding calls these too, so both raise the same errors for the same arguments.
+Like config.py, this is shared: the native binding calls these too, so both implementations
+raise the same errors (OSError from the file system included) for the same arguments.
 """
 
 from __future__ import annotations
@@ -10,6 +11,28 @@ from collections.abc import Mapping
 from typing import Any
 
 _U64 = 1 << 64
+
+MAX_FILE_BYTES = 1 << 34
+"""Largest snapshot restore() reads (16 GiB); a bigger file is refused before it is read."""
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """data to path + ".tmp", flushed to disk, then renamed over path (atomic on POSIX)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_file(path: str) -> bytes:
+    """The file's bytes; ValueError when it is larger than MAX_FILE_BYTES."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"snapshot is {size} bytes, more than the {MAX_FILE_BYTES} bytes restore reads")
+        return f.read()
 
 
 def path_arg(path: Any) -> str:
