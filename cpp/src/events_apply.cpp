@@ -710,7 +710,7 @@ std::string EventApplier::export_replica(std::int64_t r) const {
     const auto i = static_cast<std::size_t>(r);
     static const ReplicaState fresh;
     const ReplicaState& st = i < m.replicas.size() && m.replicas[i] ? *m.replicas[i] : fresh;
-    return applier::encode_replica(st, m.block_size, m.salt, names);
+    return applier::encode_replica(st, m.block_size, m.salt, m.seq, names);
 }
 
 std::shared_ptr<applier::DecodedReplica> EventApplier::decode_replica(const std::uint8_t* data, std::size_t len) const {

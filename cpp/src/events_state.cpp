@@ -140,7 +140,7 @@ void decode_entry(binio::Reader& rd, std::size_t n_media, Entry& e, std::uint64_
 }
 
 void decode_group(binio::Reader& rd, std::size_t n_media, GroupState& g,
-                  std::vector<std::pair<std::uint64_t, std::uint64_t>>& order, std::uint64_t& max_seq) {
+                  std::vector<std::pair<std::uint64_t, std::uint64_t>>& order, std::uint64_t max_seq) {
     g.engine_block_size = get_opt(rd);
     std::uint64_t last_seq = 0;
     for (std::uint64_t i = 0, n = rd.count(kEntryMin); i < n; ++i) {
@@ -149,9 +149,8 @@ void decode_group(binio::Reader& rd, std::size_t n_media, GroupState& g,
         decode_entry(rd, n_media, e, key);
         bool inserted = false;
         Entry& slot = g.entries.get(key, inserted);
-        if (!inserted || e.seq <= last_seq) corrupt("entries repeat or are out of order");
+        if (!inserted || e.seq <= last_seq || e.seq > max_seq) corrupt("entries repeat or are out of order");
         last_seq = e.seq;
-        max_seq = std::max(max_seq, e.seq);
         order.emplace_back(key, e.seq);
         slot = std::move(e);
     }
@@ -173,10 +172,11 @@ void decode_group(binio::Reader& rd, std::size_t n_media, GroupState& g,
 }  // namespace
 
 std::string encode_replica(const ReplicaState& st, std::size_t block_size, const std::string& salt,
-                           const std::vector<std::string>& media_names) {
+                           std::uint64_t seq, const std::vector<std::string>& media_names) {
     binio::Writer w;
     w.u32(static_cast<std::uint32_t>(block_size));
     w.text(salt);
+    w.u64(seq);
     w.u8(st.salt.has_value());
     w.text(st.salt.value_or(std::string()));
     w.u64(st.batches);
@@ -212,6 +212,7 @@ DecodedReplica decode_replica(const std::uint8_t* data, std::size_t len, std::si
                          std::to_string(block_size));
     if (rd.text() != salt) throw ValueError("applier state was written for another salt than this applier's");
     DecodedReplica out;
+    out.max_seq = rd.u64();
     out.state = std::make_unique<ReplicaState>();
     ReplicaState& st = *out.state;
     const bool has_salt = flag(rd);

@@ -94,13 +94,13 @@ struct DecodedReplica {
     std::vector<std::string> media;       ///< media[0] is "GPU"
     /// Per group id: (key, seq) of its entries, oldest stored first (the map bound's order).
     std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> order;
-    std::uint64_t max_seq = 0;  ///< largest entry seq
+    std::uint64_t max_seq = 0;  ///< the exporting applier's store counter (>= every entry's seq)
 };
 
-/// The replica's state as bytes (docs/snapshot-format.md, "Applier state"); media_names[id] is
-/// the name of medium id `id` of the applier.
+/// The replica's state as bytes (docs/snapshot-format.md, "Applier state"); seq is the
+/// applier's store counter, media_names[id] the name of its medium id `id`.
 std::string encode_replica(const ReplicaState& st, std::size_t block_size, const std::string& salt,
-                           const std::vector<std::string>& media_names);
+                           std::uint64_t seq, const std::vector<std::string>& media_names);
 /// Decodes and checks bytes of encode_replica; ValueError when cut short, malformed or written
 /// for another block size or salt.
 DecodedReplica decode_replica(const std::uint8_t* data, std::size_t len, std::size_t block_size,

@@ -28,6 +28,7 @@ def encode(applier: Any, r: int) -> bytes:
     w = Writer()
     w.u32(applier._block_size)
     w.text(applier._salt)
+    w.u64(applier._seq)
     _opt_bytes(w, st.salt)
     w.u64(st.batches)
     for kind in SKIP_KINDS:
@@ -100,7 +101,8 @@ def decode(data: bytes, block_size: int, salt: bytes) -> dict[str, Any]:
         raise ValueError(f"applier state was written for block_size {bs}, this applier has {block_size}")
     if rd.text() != salt:
         raise ValueError("applier state was written for another salt than this applier's")
-    out: dict[str, Any] = {"salt": _read_opt_bytes(rd), "batches": rd.u64()}
+    seq = rd.u64()
+    out: dict[str, Any] = {"seq": seq, "salt": _read_opt_bytes(rd), "batches": rd.u64()}
     out["skipped"] = {kind: rd.u64() for kind in SKIP_KINDS}
     out["k"] = rd.u64()
     if not 1 <= out["k"] <= 65536:
@@ -118,21 +120,21 @@ def decode(data: bytes, block_size: int, salt: bytes) -> dict[str, Any]:
         gid = rd.u32()
         if gid >= MAX_GROUPS or gid in groups:
             raise ValueError(f"applier state is corrupt: bad group {gid}")
-        groups[gid] = _decode_group(rd, len(media))
+        groups[gid] = _decode_group(rd, len(media), seq)
     out["groups"] = groups
     if rd.left():
         raise ValueError("applier state is corrupt: trailing bytes")
     return out
 
 
-def _decode_group(rd: Reader, n_media: int) -> dict[str, Any]:
+def _decode_group(rd: Reader, n_media: int, seq: int) -> dict[str, Any]:
     ebs = _read_opt_u64(rd)
     entries = []
     seen: set[int] = set()
     last_seq = 0
     for _ in range(rd.count(_ENTRY_MIN)):
         e = _decode_entry(rd, n_media)
-        if e["key"] in seen or e["seq"] <= last_seq:
+        if e["key"] in seen or e["seq"] <= last_seq or e["seq"] > seq:
             raise ValueError("applier state is corrupt: entries repeat or are out of order")
         seen.add(e["key"])
         last_seq = e["seq"]
@@ -194,7 +196,7 @@ def install(applier: Any, r: int, state: dict[str, Any]) -> None:
     st.last_ts = state["last_ts"]
     names = [_GPU, *state["media"]]
     applier._media.update(names)
-    top = applier._seq
+    top = max(applier._seq, state["seq"])
     for gid, gs in state["groups"].items():
         g = st.groups[gid] = _Group()
         g.engine_block_size = gs["engine_block_size"]
