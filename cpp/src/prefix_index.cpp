@@ -29,12 +29,12 @@
 #include <set>
 #include <shared_mutex>
 #include <string>
-#include <unordered_set>
 #include <utility>
 
 #include "kvroute/bitset.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/support/big_array.hpp"
+#include "kvroute/support/hash_map.hpp"
 #include "kvroute/support/mix.hpp"
 
 namespace kvroute {
@@ -1248,14 +1248,15 @@ void check_contents_shape(const ReplicaContents& c) {
     if (c.ages.size() != c.held.size())
         throw ValueError("ages must have one entry per held block, got " + std::to_string(c.ages.size()) + " for " +
                          std::to_string(c.held.size()));
-    std::unordered_set<std::uint64_t> seen;
-    seen.reserve(n);
+    support::HashMap<char> seen;
     for (std::size_t i = 0; i < n; ++i) {
         const std::int64_t p = c.parents[i];
         if (p < -1 || p >= static_cast<std::int64_t>(i))
             throw ValueError("parents[" + std::to_string(i) + "] must be -1 or an index below " + std::to_string(i) +
                              ", got " + std::to_string(p));
-        if (!seen.insert(c.hashes[i]).second)
+        bool fresh = false;
+        seen.get(c.hashes[i], fresh);
+        if (!fresh)
             throw ValueError("hash " + hex(c.hashes[i]) + " at index " + std::to_string(i) + " is repeated");
     }
     std::vector<char> taken(n, 0);

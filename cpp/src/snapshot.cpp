@@ -16,6 +16,7 @@
 #include "events_state.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/hash.hpp"
+#include "kvroute/support/hash_map.hpp"
 
 namespace kvroute {
 namespace {
@@ -214,14 +215,16 @@ void check_whole(const Decoded& d, const Router& router, const EventApplier* app
             throw ValueError("snapshot replica '" + x.name + "': " + e.what());
         }
     }
-    std::unordered_map<std::uint64_t, std::uint64_t> parent_of;  // the root: 2**64 - 1
+    support::HashMap<std::uint64_t> parent_of;  // the root: 2**64 - 1
     for (const FileReplica& x : d.replicas) {
         const ReplicaContents& c = x.contents;
         for (std::size_t j = 0; j < c.hashes.size(); ++j) {
             const std::int64_t pi = c.parents[j];
             const std::uint64_t p = pi < 0 ? kRootParent : c.hashes[static_cast<std::size_t>(pi)];
-            const auto it = parent_of.emplace(c.hashes[j], p).first;
-            if (it->second != p) corrupt("block " + hex64(c.hashes[j]) + " has two parents");
+            bool fresh = false;
+            std::uint64_t& have = parent_of.get(c.hashes[j], fresh);
+            if (fresh) have = p;
+            else if (have != p) corrupt("block " + hex64(c.hashes[j]) + " has two parents");
         }
     }
 }
