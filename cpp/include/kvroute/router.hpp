@@ -63,7 +63,20 @@ struct Decision {
     std::int64_t handle = 0;           ///< for prefill_done() and finish()
 };
 
-/// Load terms of one replica.
+/// Load that other routers (gateways sharing the fleet) put on one replica: the terms a
+/// router adds to its own accounting (Router::set_external_load).
+struct ExternalLoad {
+    std::int64_t in_flight = 0;              ///< their requests routed and not finished
+    std::int64_t queued_prefill_tokens = 0;  ///< their uncached tokens before first token
+    std::int64_t prefill_requests = 0;       ///< their requests before first token
+    std::int64_t prefill_blocks = 0;         ///< uncached blocks of those
+    std::int64_t decode_blocks = 0;          ///< prompt blocks of theirs past first token
+};
+
+/// Largest value of each ExternalLoad term: sums stay far from int64 overflow.
+inline constexpr std::int64_t kMaxExternalLoad = std::int64_t{1} << 40;
+
+/// Load terms of one replica (the counts are own + external).
 struct ReplicaLoad {
     std::int64_t queued_prefill_tokens = 0;  ///< uncached tokens of requests before first token
     std::int64_t in_flight = 0;              ///< requests routed and not finished
@@ -75,6 +88,7 @@ struct ReplicaLoad {
     std::optional<double> kv_usage;          ///< engine-reported KV usage in [0, 1]
     bool healthy = true;                     ///< chosen only while healthy
     bool draining = false;                   ///< chosen only while not draining
+    ExternalLoad external;                   ///< the part of the counts set_external_load() set
 };
 
 /// Router-wide counters.
@@ -163,8 +177,21 @@ public:
     /// Sets the given engine-reported figures (already validated).
     void report_load(const std::string& name, std::optional<std::int64_t> waiting,
                      std::optional<std::int64_t> running, std::optional<double> kv_usage);
-    /// Load terms of a replica.
+    /// Load terms of a replica: counts are own + external, `external` the external part.
     ReplicaLoad load(const std::string& name) const;
+    /// Replaces the load other routers put on a replica (KeyError unknown name, ValueError a
+    /// term outside [0, kMaxExternalLoad], naming it; nothing changes on error).
+    void set_external_load(const std::string& name, const ExternalLoad& load);
+    /// Binds (or rebinds) a session to a replica as if this router had routed it there at
+    /// `now` (KeyError unknown name; ValueError an id over max_session_bytes).
+    void bind_session(const std::string& session, const std::string& name, std::optional<double> now);
+    /// The replica a live session is bound to, without refreshing it; nullopt if none.
+    std::optional<std::string> session(const std::string& session, std::optional<double> now) const;
+    /// Another router's route-time insert of n block hashes on replica `name`: approximate
+    /// mode inserts into the index, hybrid into the speculative index, precise does nothing.
+    /// Returns blocks newly held; reserves no load and touches no session or tie order.
+    std::size_t observe_route(const std::string& name, const std::uint64_t* hashes, std::size_t n,
+                              std::optional<double> now);
     /// Counters.
     RouterStats stats() const;
 
