@@ -363,3 +363,81 @@ def test_index_import_refuses_what_no_export_gives_and_changes_nothing(args):
         return None
 
     assert same(run)[0] == "raise"
+
+
+chains = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.lists(st.integers(1, 40), max_size=6, unique=True),
+                            st.booleans()), min_size=1, max_size=25)
+
+
+@settings(max_examples=60)
+@given(ops=chains, capacity=st.sampled_from([None, 6]))
+def test_index_export_import_keeps_every_answer(ops, capacity):
+    """Random chains (shared prefixes, removals, evictions) on three replicas: importing each
+    replica's export into a fresh index, on either implementation, gives the same matches,
+    the same export and the same node count."""
+    kw = {} if capacity is None else {"capacity": capacity}
+    results = []
+    for name in ("native", "reference"):
+        M = load_impl(name)
+        ix = M.PrefixIndex(3, **kw)
+        probes = []
+        for t, (r, prefix, tail, drop) in enumerate(ops):
+            chain = [1000 + p for p in range(prefix)] + [100 * (t + 1) + x for x in tail]
+            ix.insert(r, chain, now=float(t))
+            if drop and chain:
+                ix.remove(r, chain[len(chain) // 2 :])
+            probes.append(chain)
+        for target in ("native", "reference"):
+            ix2 = load_impl(target).PrefixIndex(3, **kw)
+            for r in (2, 0, 1):
+                ix2.import_replica(r, *ix.export_replica(r, now=50.0), now=50.0)
+            ix2.check_invariants()
+            assert [ix2.match(p).tolist() for p in probes] == [ix.match(p).tolist() for p in probes]
+            assert ix2.stats()["nodes"] == ix.stats()["nodes"]
+            results.append([[a.tolist() for a in ix2.export_replica(r, now=50.0)] for r in range(3)])
+    assert all(x == results[0] for x in results)
+
+
+def test_restored_sessions_beyond_the_table_are_evicted_least_recent_first(impl, tmp_path):
+    cfg = RouterConfig(block_size=4)
+    r = impl.Router(cfg, ["a", "b"])
+    for i in range(5):
+        r.route(np.arange(8) + i, session=f"s{i}", now=float(i))
+    r.snapshot(tmp_path / "s", now=10.0)
+    small = impl.Router(RouterConfig(block_size=4, max_sessions=2), ["a", "b"])
+    assert small.restore(tmp_path / "s", now=10.0)["sessions"] == 5
+    assert small.stats()["sessions"] == 2 and small.stats()["session_evictions"] == 3
+    assert small.route(np.arange(8) + 4, session="s4", now=11.0).binding == "kept"
+    assert small.route(np.arange(8), session="s0", now=11.0).binding == "new"
+
+
+def test_applier_state_round_trips_and_refuses_what_it_cannot_take():
+    def run(M):
+        ix = M.PrefixIndex(2)
+        ap = M.EventApplier(ix, 4)
+        ap.apply_stored(0, [11, 12, 13], None, list(range(6)), block_size=2)
+        ap.apply_stored(0, [14], 13, [6, 7], block_size=2, medium="CPU")
+        ap.set_salt(1, "own")
+        state = ap.export_replica(0)
+        out = [len(state), ap.export_replica(1)]
+        ap2 = M.EventApplier(M.PrefixIndex(2), 4)
+        ap2.import_replica(1, state)
+        out.append(ap2.export_replica(1) == state)
+        before = ap2.export_replica(0)
+        for bad in (state[:-1], state + b"\0", b"", 3, M.EventApplier(M.PrefixIndex(1), 8).export_replica(0)):
+            try:
+                ap2.import_replica(0, bad)
+                out.append("ok")
+            except (TypeError, ValueError) as exc:
+                out.append((type(exc).__name__, str(exc)))
+        out.append(ap2.export_replica(0) == before)
+        tiered = M.EventApplier(M.PrefixIndex(1), 4, tier_index=M.PrefixIndex(1))
+        for call in (lambda: tiered.export_replica(0), lambda: tiered.import_replica(0, state)):
+            try:
+                call()
+            except ValueError as exc:
+                out.append(str(exc))
+        return out
+
+    out = same(run)[1][1]
+    assert out[2] is True and out[-3] is True
