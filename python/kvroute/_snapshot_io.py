@@ -6,6 +6,7 @@ raise the same errors (OSError from the file system included) for the same argum
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -71,13 +72,14 @@ def cursors_arg(cursors: Any) -> list[tuple[bytes, int, int]]:
 
 
 def _u64(v: Any, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            v = v.__index__()
-        except (AttributeError, TypeError):
-            raise TypeError(f"{what} must be an int, got {type(v).__name__}") from None
-    if not 0 <= v < _U64:
-        raise ValueError(f"{what} must be in [0, 2**64), got {v}")
-    return int(v)
+    """v as an int in [0, 2**64): TypeError unless it is an int (bools refused), ValueError
+    outside the range."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an int, got bool")
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(v).__name__}") from None
+    if not 0 <= n < _U64:
+        raise ValueError(f"{what} must be in [0, 2**64), got {n}")
+    return n
