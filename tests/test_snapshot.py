@@ -382,7 +382,7 @@ def test_index_export_import_keeps_every_answer(ops, capacity):
         ix = M.PrefixIndex(3, **kw)
         probes = []
         for t, (r, prefix, tail, drop) in enumerate(ops):
-            chain = [1000 + p for p in range(prefix)] + [100 * (t + 1) + x for x in tail]
+            chain = [1000 + p for p in range(prefix)] + [10_000 * (t + 1) + x for x in tail]
             ix.insert(r, chain, now=float(t))
             if drop and chain:
                 ix.remove(r, chain[len(chain) // 2 :])
