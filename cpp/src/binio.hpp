@@ -29,7 +29,9 @@ public:
     /// An IEEE-754 double.
     void f64(double v) { raw(&v, 8); }
     /// n bytes as they are.
-    void raw(const void* p, std::size_t n) { buf.append(static_cast<const char*>(p), n); }
+    void raw(const void* p, std::size_t n) {
+        if (n) buf.append(static_cast<const char*>(p), n);  // an empty vector's data() may be null
+    }
     /// A byte string: u32 length, then the bytes.
     void text(const std::string& s) {
         u32(static_cast<std::uint32_t>(s.size()));

@@ -3,6 +3,7 @@
 // Canonical: entries by seq, reference counts by hash, media bits over the applier's medium
 // names sorted (GPU first), so both implementations write the same bytes.
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -126,7 +127,8 @@ void decode_entry(binio::Reader& rd, std::size_t n_media, Entry& e, std::uint64_
     const std::size_t n_tail = rd.u32();
     if (n_tail > rd.left() / 4) rd.truncated();
     x->tail.resize(n_tail);
-    std::memcpy(x->tail.data(), rd.raw(n_tail * 4), n_tail * 4);
+    const std::uint8_t* tail = rd.raw(n_tail * 4);
+    if (n_tail) std::memcpy(x->tail.data(), tail, n_tail * 4);  // data() may be null when empty
     for (std::uint32_t i = 0, n = rd.u32(); i < n; ++i) {
         OwnedMm it;
         it.id = rd.text();
