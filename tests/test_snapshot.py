@@ -403,12 +403,18 @@ def test_restored_sessions_beyond_the_table_are_evicted_least_recent_first(impl,
     r = impl.Router(cfg, ["a", "b"])
     for i in range(5):
         r.route(np.arange(8) + i, session=f"s{i}", now=float(i))
+    r.route(np.arange(8) + 9, session="a-long-id", now=5.0)
     r.snapshot(tmp_path / "s", now=10.0)
     small = impl.Router(RouterConfig(block_size=4, max_sessions=2), ["a", "b"])
-    assert small.restore(tmp_path / "s", now=10.0)["sessions"] == 5
-    assert small.stats()["sessions"] == 2 and small.stats()["session_evictions"] == 3
+    assert small.restore(tmp_path / "s", now=10.0)["sessions"] == 6
+    assert small.stats()["sessions"] == 2 and small.stats()["session_evictions"] == 4
     assert small.route(np.arange(8) + 4, session="s4", now=11.0).binding == "kept"
     assert small.route(np.arange(8), session="s0", now=11.0).binding == "new"
+    tiny = impl.Router(RouterConfig(block_size=4, max_session_bytes=2), ["a", "b"])
+    tiny.route(np.arange(8), session="x", now=0.0)
+    assert tiny.restore(tmp_path / "s", now=10.0)["sessions"] == 5  # the long id is skipped
+    assert tiny.stats()["sessions"] == 1 and tiny.stats()["session_bytes"] == 2  # s4 pushed the rest out
+    assert tiny.route(np.arange(8) + 4, session="s4", now=11.0).binding == "kept"
 
 
 def test_applier_state_round_trips_and_refuses_what_it_cannot_take():

@@ -758,7 +758,8 @@ std::size_t Router::import_sessions(const std::vector<std::uint32_t>& replicas,
     std::size_t n = 0;
     for (const SessionRecord& rec : sessions) {
         const double last = now - rec.age;
-        if (!(last + d.opt.session_ttl > now)) continue;
+        // An id longer than this table takes in all would only push every other one out.
+        if (!(last + d.opt.session_ttl > now) || rec.key.size() > d.opt.max_session_bytes) continue;
         auto it = d.sessions.find(rec.key);
         if (it != d.sessions.end()) {
             d.session_bytes -= static_cast<std::int64_t>(rec.key.size());

@@ -199,7 +199,8 @@ public:
     /// age = max(0, now - last use). For snapshots.
     std::vector<SessionRecord> export_sessions(double now) const;
     /// Drops the sessions bound to `replicas`, then binds each record (least recent first) as
-    /// last used `age` seconds before now unless that has expired; evicts beyond the table's
+    /// last used `age` seconds before now unless that has expired or the id is longer than
+    /// max_session_bytes; evicts beyond the table's
     /// bounds (session_evictions). Record replica ids must be live. Returns records bound.
     std::size_t import_sessions(const std::vector<std::uint32_t>& replicas, const std::vector<SessionRecord>& sessions,
                                 double now);

@@ -616,7 +616,8 @@ class Router:
 
     def _import_sessions(self, ids: list[int], records: list[tuple[str, int, int, float]], t: float) -> int:
         """Drops the sessions bound to `ids`, then binds each record (least recent first) as
-        last used age seconds before t, unless expired; evicts beyond the table's bounds."""
+        last used age seconds before t, unless expired or longer than max_session_bytes;
+        evicts beyond the table's bounds."""
         sessions = self._sessions
         gone = set(ids)
         for key in [k for k, s in sessions.items() if s.replica in gone]:
@@ -625,7 +626,8 @@ class Router:
         n = 0
         for key, r, blocks, age in records:
             last = t - age
-            if not last + self._cfg.session_ttl > t:
+            # An id longer than this table takes in all would only push every other one out.
+            if not last + self._cfg.session_ttl > t or len(key.encode("utf-8")) > self._cfg.max_session_bytes:
                 continue
             old = sessions.pop(key, None)
             if old is not None:
