@@ -15,6 +15,7 @@
 #include "kvroute/router.hpp"
 #include "pyargs.hpp"
 #include "register.hpp"
+#include "py_router.hpp"
 #include "tokens.hpp"
 
 namespace py = pybind11;
@@ -160,10 +161,6 @@ std::int64_t num_tokens_arg(py::handle h) {
 }
 
 // Keeps the RouterConfig object alive next to the core, for Router.config.
-struct PyRouter {
-    std::shared_ptr<Router> core;
-    py::object config;
-};
 
 py::object opt_int(const std::optional<std::int64_t>& v) {
     return v ? py::object(py::int_(*v)) : py::object(py::none());
@@ -458,6 +455,7 @@ void register_router(py::module_& m) {
     def_load(cls);
     def_routing(cls);
     def_sharing(cls);
+    def_snapshot(cls);  // register_snapshot.cpp
 }
 
 }  // namespace kvroute::bindings

@@ -727,4 +727,54 @@ void Router::finish(std::int64_t handle) {
     impl_->finish(handle);
 }
 
+// -- snapshots (snapshot.cpp writes and reads the file) ---------------------------------------
+
+std::vector<SessionRecord> Router::export_sessions(double now) const {
+    const Impl& d = *impl_;
+    std::lock_guard<std::mutex> lock(d.mu);
+    std::vector<SessionRecord> out;
+    for (const Impl::Session& s : d.lru) {
+        if (!d.live[s.replica] || d.gen[s.replica] != s.gen || !(s.last_seen + d.opt.session_ttl > now)) continue;
+        out.push_back(SessionRecord{s.key, s.replica, s.blocks, std::max(0.0, now - s.last_seen)});
+    }
+    return out;
+}
+
+std::size_t Router::import_sessions(const std::vector<std::uint32_t>& replicas,
+                                    const std::vector<SessionRecord>& sessions, double now) {
+    Impl& d = *impl_;
+    std::lock_guard<std::mutex> lock(d.mu);
+    std::vector<char> gone(d.names.size(), 0);
+    for (const std::uint32_t r : replicas) gone[r] = 1;
+    for (auto it = d.lru.begin(); it != d.lru.end();) {
+        if (!gone[it->replica]) {
+            ++it;
+            continue;
+        }
+        d.session_bytes -= static_cast<std::int64_t>(it->key.size());
+        d.sessions.erase(it->key);
+        it = d.lru.erase(it);
+    }
+    std::size_t n = 0;
+    for (const SessionRecord& rec : sessions) {
+        const double last = now - rec.age;
+        // An id longer than this table takes in all would only push every other one out.
+        if (!(last + d.opt.session_ttl > now) || rec.key.size() > d.opt.max_session_bytes) continue;
+        auto it = d.sessions.find(rec.key);
+        if (it != d.sessions.end()) {
+            d.session_bytes -= static_cast<std::int64_t>(rec.key.size());
+            d.lru.erase(it->second);
+            d.sessions.erase(it);
+        }
+        d.lru.push_back(Impl::Session{rec.key, rec.replica, d.gen[rec.replica], rec.blocks, last});
+        d.sessions.emplace(rec.key, std::prev(d.lru.end()));
+        d.session_bytes += static_cast<std::int64_t>(rec.key.size());
+        ++n;
+    }
+    while (d.sessions.size() > d.opt.max_sessions ||
+           d.session_bytes > static_cast<std::int64_t>(d.opt.max_session_bytes))
+        d.drop_session_front(d.stats.session_evictions);
+    return n;
+}
+
 }  // namespace kvroute

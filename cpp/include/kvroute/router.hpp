@@ -116,6 +116,14 @@ struct CacheKeys {
     std::size_t mm_count = 0;     ///< how many
 };
 
+/// A session binding as a snapshot holds it (Router::export_sessions / import_sessions).
+struct SessionRecord {
+    std::string key;            ///< session id (UTF-8)
+    std::uint32_t replica = 0;  ///< replica id
+    std::int64_t blocks = 0;    ///< blocks of its last prompt
+    double age = 0;             ///< seconds since its last use
+};
+
 /// Largest num_tokens a request may claim: keeps every load sum far from int64 overflow.
 inline constexpr std::int64_t kMaxPromptTokens = (std::int64_t{1} << 32) - 1;
 
@@ -186,6 +194,16 @@ public:
                               std::optional<double> now);
     /// Counters.
     RouterStats stats() const;
+
+    /// Sessions bound to a live replica and not expired at `now`, least recently used first;
+    /// age = max(0, now - last use). For snapshots.
+    std::vector<SessionRecord> export_sessions(double now) const;
+    /// Drops the sessions bound to `replicas`, then binds each record (least recent first) as
+    /// last used `age` seconds before now unless that has expired or the id is longer than
+    /// max_session_bytes; evicts beyond the table's
+    /// bounds (session_evictions). Record replica ids must be live. Returns records bound.
+    std::size_t import_sessions(const std::vector<std::uint32_t>& replicas, const std::vector<SessionRecord>& sessions,
+                                double now);
 
 private:
     struct Impl;

@@ -584,6 +584,61 @@ class Router:
 
     # -- internals --------------------------------------------------------------------------
 
+    # -- snapshots (kvroute.reference.snapshot, docs/snapshot-format.md) ---------------------
+
+    def snapshot(self, path: Any, *, applier: Any = None, cursors: Any = None, now: float | None = None) -> dict[str, Any]:
+        """Write the index contents, engine blocks, sessions, `cursors` ({replica name:
+        {"seq", "digest"}}, passed through) and, with an applier, its per-replica state to
+        `path` atomically (contract C7). Returns {"replicas", "blocks", "sessions", "bytes"}.
+        Hybrid's speculative index and requests in flight are not saved."""
+        from . import snapshot
+
+        return snapshot.snapshot(self, path, applier=applier, cursors=cursors, now=now)
+
+    def restore(self, path: Any, *, applier: Any = None, now: float | None = None) -> dict[str, Any]:
+        """Load a snapshot: replicas missing here are added; each restored replica's index
+        contents, engine block, sessions (and applier state) replace this router's. The whole
+        file is checked first: ValueError naming the problem, nothing changed. Returns
+        {"replicas", "blocks", "sessions", "cursors", "age"} (age: seconds since written)."""
+        from . import snapshot
+
+        return snapshot.restore(self, path, applier=applier, now=now)
+
+    def _export_sessions(self, t: float) -> list[tuple[str, int, int, float]]:
+        """(id, replica id, blocks, age) of the sessions bound to a live replica and not
+        expired at t, least recently used first."""
+        ttl = self._cfg.session_ttl
+        return [
+            (key, s.replica, s.blocks, max(0.0, t - s.last_seen))
+            for key, s in self._sessions.items()
+            if self._names[s.replica] is not None and self._gen[s.replica] == s.gen and s.last_seen + ttl > t
+        ]
+
+    def _import_sessions(self, ids: list[int], records: list[tuple[str, int, int, float]], t: float) -> int:
+        """Drops the sessions bound to `ids`, then binds each record (least recent first) as
+        last used age seconds before t, unless expired or longer than max_session_bytes;
+        evicts beyond the table's bounds."""
+        sessions = self._sessions
+        gone = set(ids)
+        for key in [k for k, s in sessions.items() if s.replica in gone]:
+            del sessions[key]
+            self._session_bytes -= len(key.encode("utf-8"))
+        n = 0
+        for key, r, blocks, age in records:
+            last = t - age
+            # An id longer than this table takes in all would only push every other one out.
+            if not last + self._cfg.session_ttl > t or len(key.encode("utf-8")) > self._cfg.max_session_bytes:
+                continue
+            old = sessions.pop(key, None)
+            if old is not None:
+                self._session_bytes -= len(key.encode("utf-8"))
+            sessions[key] = _Session(r, self._gen[r], blocks, last)
+            self._session_bytes += len(key.encode("utf-8"))
+            n += 1
+        while len(sessions) > self._cfg.max_sessions or self._session_bytes > self._cfg.max_session_bytes:
+            self._drop_oldest_session("session_evictions")
+        return n
+
     def _arrays(self) -> list[tuple[list[Any], Any]]:
         return [
             (self._names, None),
