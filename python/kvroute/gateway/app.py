@@ -282,7 +282,6 @@ class Gateway:
             _sync(self.metrics.tokenizer_encoded, st.encoded_tokens)
         await respond(send, 200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")])
 
-
     async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
         snaps = None if self.snapshots is None else self.snapshots.status()
         await respond(send, 200, {"state": self.state.status(), "snapshots": snaps})
