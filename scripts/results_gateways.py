@@ -34,6 +34,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -187,6 +188,7 @@ def restart(args: argparse.Namespace, with_snapshot: bool) -> dict[str, Any]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
             proc.wait(30)
+            shutil.rmtree(state_dir, ignore_errors=True)
     # client.run measures start from its own t0, a few ms before ours: close enough for 1 s steps
     return store(args, f"restart-{int(with_snapshot)}", {
         "snapshot": with_snapshot, **marks, **recovery(results, marks["sigterm"], marks["up"], args.window),
