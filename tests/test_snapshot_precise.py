@@ -10,6 +10,7 @@ resolve as if it never happened."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -44,6 +45,9 @@ class RestartedEngines(RuleBasedStateMachine):
         self.probes: list[tuple[Any, Any, list[int]]] = []
         self.ts = 0.0
         self.restarts = 0
+
+    def teardown(self) -> None:
+        shutil.rmtree(getattr(self, "dir", ""), ignore_errors=True)
 
     def _pair(self, name: str) -> tuple[Any, Any]:
         M = load_impl(name)
