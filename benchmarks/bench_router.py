@@ -87,6 +87,23 @@ def test_route_hashes_512_blocks(benchmark, impl):
     _bench(benchmark, impl, r, lambda: r.route_hashes(hashes, N_TOKENS), HELD)
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_route_hashes_512_blocks_external_load(benchmark, impl):
+    """route_hashes() with other routers' load set on every replica (contract C6): the same
+    decision at the same cost (policies read own + external sums kept up to date)."""
+    benchmark.group = "route_hashes 512 blocks, 64 replicas, 1M-block index, precise"
+    r = router(impl, 64, "precise")
+    hashes = IMPLS[impl].block_hashes(PROMPT, BLOCK_SIZE)
+    external = dict(in_flight=3, queued_prefill_tokens=4096, prefill_requests=2, prefill_blocks=256, decode_blocks=512)
+    for name in r.replicas:
+        r.set_external_load(name, **external)
+    try:
+        _bench(benchmark, impl, r, lambda: r.route_hashes(hashes, N_TOKENS), HELD)
+    finally:
+        for name in r.replicas:
+            r.set_external_load(name)
+
+
 _sticky: dict[str, object] = {}
 
 

@@ -129,6 +129,24 @@ def test_bench_counts_errors_by_kind(engines, capsys):
     assert res["errors_by_kind"] == {"connection": 2}
 
 
+def test_spread_sends_round_robin_over_every_url(engines, capsys):
+    import asyncio
+
+    from kvroute.bench import client
+    from kvroute.cli import main
+
+    url, dead = engines.fleet.engines[0].url, "http://127.0.0.1:9"
+    # One run over both: every second request goes to the server that is not there.
+    assert main(["bench", "--url", url, "--url", dead, "--spread", "--workload", "shared-prefix", "--requests", "6",
+                 "--concurrency", "1", "--json"]) == 0
+    (res,) = json.loads(capsys.readouterr().out)["results"]
+    assert res["label"] == f"{url}+{dead}" and res["requests"] == 6
+    assert res["completed"] == 3 and res["errors_by_kind"] == {"connection": 3}
+    cfg = client.BenchConfig(url=url, spread=(url,), requests=4, concurrency=1)
+    results, _ = asyncio.run(client.run(cfg, sim.build_workload("shared-prefix", replicas=1)))
+    assert sorted(r.target for r in results) == [0, 0, 1, 1] and all(r.error is None for r in results)
+
+
 def test_chat_turns_carry_the_servers_answers():
     from kvroute.bench.client import conversation
 

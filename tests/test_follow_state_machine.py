@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvroute._follow import Follower
+from kvroute._follow import Follower, digest
 
 PROBE = 1.0
 IDLE = 0.5
@@ -56,8 +57,10 @@ class FollowerVsPublisher(RuleBasedStateMachine):
     def setup(self, ring, attempts, cap):
         self.ops = FakeOps()
         self.now = 0.0
-        self.f = Follower(self.ops, replay=True, max_attempts=attempts, max_buffer_bytes=cap,
-                          replay_timeout=IDLE, replay_max_seconds=3.0, probe_interval=PROBE)
+        self.params = dict(replay=True, max_attempts=attempts, max_buffer_bytes=cap,
+                           replay_timeout=IDLE, replay_max_seconds=3.0, probe_interval=PROBE)
+        self.f = Follower(self.ops, **self.params)
+        self.snap = None
         self.proc, self.seq = 0, 0
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=ring)
         self.resyncs_at_start = 0
@@ -105,6 +108,27 @@ class FollowerVsPublisher(RuleBasedStateMachine):
         if end:
             self.f.on_end(self.now)
 
+    @rule()
+    def save_snapshot(self):
+        """What a snapshot saves: the replica's state (applied since the last clear) and the
+        cursor; whether that state is complete for the current process."""
+        complete = self.f.c.resyncs == self.resyncs_at_start
+        self.snap = (self.f.cursor(), list(self.ops.applied), self.proc, complete)
+
+    @precondition(lambda self: self.snap is not None)
+    @rule()
+    def restore_snapshot(self):
+        """The subscriber restarts from the saved state and resumes from its cursor (C8):
+        the publisher may have gone on, lost the anchor from its ring, or restarted."""
+        cursor, applied, proc, complete = self.snap
+        self.ops = FakeOps()
+        self.ops.applied = list(applied)
+        self.f = Follower(self.ops, **self.params, now=self.now)
+        if cursor is not None:
+            self.f.resume(cursor["seq"], cursor["digest"], self.now)
+        # Still the process of the snapshot, whose state was complete: no resync, no loss.
+        self.resyncs_at_start = 0 if complete and proc == self.proc else -1
+
     @rule(dt=st.sampled_from([0.1, IDLE, PROBE, 3.0]))
     def time_passes(self, dt):
         self.now += dt
@@ -144,6 +168,13 @@ class FollowerVsPublisher(RuleBasedStateMachine):
         if a:
             assert a[-1][1] == self.f.last_seq
         assert self.f.buffered_bytes <= self.f._cap
+        cursor = self.f.cursor()
+        if cursor is None:
+            assert a == [], a  # nothing applied since the last clear
+        else:
+            assert a, cursor  # a cursor always names the last batch the state holds
+            p, s = a[-1]
+            assert cursor == {"seq": s, "digest": digest(f"{p}:{s}".encode())}
 
 
 # Pure Python and fast: the profile's example count (HYPOTHESIS_PROFILE), longer runs.
@@ -183,3 +214,70 @@ def test_a_connection_to_a_bound_socket_is_only_probed():
     f.on_reply(1, b"0:1", 0.0)  # the anchor, unchanged: same process
     f.on_end(0.0)
     assert ops.applied == [(0, 0), (0, 1), (0, 2)] and f.c.restarts == f.c.resyncs == 0
+
+
+# -- resume from a saved cursor (contract C8) -------------------------------------------------
+
+
+def _resumed(seq=4, proc=0, replay=True):
+    """A follower whose replica holds batches 0..seq of `proc` (restored), resumed."""
+    ops, f = _follower(replay)
+    ops.applied = [(proc, s) for s in range(seq + 1)]
+    f.resume(seq, digest(f"{proc}:{seq}".encode()), 0.0)
+    return ops, f
+
+
+def test_resume_anchor_verified_continues_the_restored_state():
+    ops, f = _resumed()
+    assert ops.open == 4 and f.cursor() == {"seq": 4, "digest": digest(b"0:4")}
+    f.on_live(7, b"0:7", 0.0)  # live batches wait for the anchor
+    assert ops.applied[-1] == (0, 4) and f.buffered_bytes > 0
+    for s in (4, 5, 6):
+        f.on_reply(s, f"0:{s}".encode(), 0.0)
+    f.on_end(0.0)
+    assert ops.applied == [(0, s) for s in range(8)] and ops.open is None
+    assert (f.c.resyncs, f.c.restarts, f.c.replays, f.c.replayed_batches) == (0, 0, 1, 2)
+    assert f.cursor() == {"seq": 7, "digest": digest(b"0:7")}
+
+
+def test_resume_anchor_with_other_bytes_clears_as_one_resync():
+    ops, f = _resumed()
+    f.on_reply(4, b"1:4", 0.0)  # a restarted engine numbered a batch 4 too
+    assert ops.applied == [] and ops.open == 0 and f.cursor() is None
+    assert (f.c.resyncs, f.c.restarts) == (1, 0)
+    for s in range(6):
+        f.on_reply(s, f"1:{s}".encode(), 0.0)
+    f.on_end(0.0)
+    assert ops.applied == [(1, s) for s in range(6)] and f.c.resyncs == 1
+
+
+def test_resume_ring_lost_the_anchor_clears_and_follows_the_ring():
+    ops, f = _resumed()
+    f.on_reply(9, b"0:9", 0.0)  # the ring starts after the anchor
+    f.on_reply(10, b"0:10", 0.0)
+    f.on_end(0.0)
+    assert ops.applied == [(0, 9), (0, 10)] and (f.c.resyncs, f.c.restarts) == (1, 0)
+
+
+@pytest.mark.parametrize("how", ["nothing from the anchor on", "no answer", "live went back"])
+def test_resume_unverifiable_clears_as_one_resync(how):
+    ops, f = _resumed()
+    if how == "nothing from the anchor on":
+        f.on_end(0.0)  # a restarted engine with fewer batches than the anchor's number
+    elif how == "no answer":
+        f.tick(IDLE)  # the replay endpoint does not answer
+    else:
+        f.on_live(1, b"1:1", 0.0)  # the live stream is numbered below the anchor
+    assert ops.applied == [] and (f.c.resyncs, f.c.restarts) == (1, 0)
+    f.on_live(2, b"1:2", IDLE)  # then followed anew, as any fresh follower
+    assert f.c.restarts == 0
+
+
+def test_resume_without_replay_endpoint_clears_once():
+    ops, f = _resumed(replay=False)
+    assert ops.applied == [] and ops.open is None and f.c.resyncs == 1 and f.cursor() is None
+    f.on_live(12, b"0:12", 0.0)  # joining mid-stream: nothing more is lost
+    f.on_live(13, b"0:13", 0.0)
+    assert ops.applied == [(0, 12), (0, 13)] and (f.c.resyncs, f.c.gaps) == (1, 0)
+    f.on_live(15, b"0:15", 0.0)  # a real gap later still counts
+    assert (f.c.resyncs, f.c.gaps) == (2, 1)

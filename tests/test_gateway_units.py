@@ -146,3 +146,30 @@ def test_prompts_and_keys():
     with pytest.raises(BadRequest) as e:
         lt.chat({"messages": [{"role": "user", "content": 5}]}, None)
     assert e.value.param == "messages"
+
+
+def test_state_settings_are_checked():
+    from kvroute import Router, RouterConfig
+    from kvroute.gateway.state import LocalState, make_state
+
+    cfg = parse_argv(["--replica", "http://h:1", "--state", "redis://127.0.0.1:6379/0", "--state-timeout", "0.02",
+                      "--state-dir", "/tmp/x", "--snapshot-interval", "5"])
+    assert (cfg.state, cfg.state_timeout, cfg.state_dir, cfg.snapshot_interval) == (
+        "redis://127.0.0.1:6379/0", 0.02, "/tmp/x", 5.0)
+    for bad, msg in ((["--state", "memcached://h"], "state must be"), (["--state-timeout", "0"], "state_timeout"),
+                     (["--state-load-interval", "3"], "state_load_ttl must exceed"),
+                     (["--snapshot-interval", "-1"], "snapshot_interval")):
+        with pytest.raises(ValueError, match=msg):
+            parse_argv(["--replica", "http://h:1", *bad])
+    router = Router(RouterConfig(), ["a"])
+    assert isinstance(make_state(None, router, None), LocalState)
+    assert isinstance(make_state("local", router, None), LocalState)
+    with pytest.raises(ValueError, match="state must be"):
+        make_state("http://h", router, None)
+    pytest.importorskip("redis")
+    from kvroute.gateway.state.redis_store import RedisOptions
+
+    for kw, msg in (({"timeout": 0}, "timeout"), ({"load_ttl": 0.1}, "load_ttl"), ({"stream_maxlen": 0}, "maxlen"),
+                    ({"prefix": ""}, "prefix")):
+        with pytest.raises(ValueError, match=msg):
+            RedisOptions(**kw)

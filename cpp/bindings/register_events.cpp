@@ -180,6 +180,33 @@ kvroute.reference.events.)doc")
             },
             py::arg("replica"), "Forget everything about the replica (a resync): its maps and indexed blocks.")
         .def(
+            "export_replica",
+            [](const EventApplier& a, py::handle replica) {
+                const std::int64_t r = replica_arg(a, replica);
+                std::string out;
+                {
+                    py::gil_scoped_release release;  // walks every entry of the replica
+                    out = a.export_replica(r);
+                }
+                return py::bytes(out);
+            },
+            py::arg("replica"),
+            "The replica's state (maps, reference counts, own salt, learned sizes, counters) as bytes that "
+            "import_replica() takes back (docs/snapshot-format.md). ValueError with a tier_index.")
+        .def(
+            "import_replica",
+            [](EventApplier& a, py::handle replica, py::handle state) {
+                const std::int64_t r = replica_arg(a, replica);
+                if (!PyBytes_Check(state.ptr()) && !PyByteArray_Check(state.ptr()) && !PyMemoryView_Check(state.ptr()))
+                    throw TypeError("state must be bytes, got " + type_name(state));
+                const std::string data = py::module_::import("builtins").attr("bytes")(state).cast<std::string>();
+                py::gil_scoped_release release;  // rebuilds every entry of the replica
+                a.import_replica(r, reinterpret_cast<const std::uint8_t*>(data.data()), data.size());
+            },
+            py::arg("replica"), py::arg("state"),
+            "Replace the replica's state with an export_replica() result; the index is not touched. ValueError "
+            "(nothing changed) when the state is cut short, malformed, or for another block size or salt.")
+        .def(
             "stats",
             [](const EventApplier& a) {
                 const EventApplierStats s = a.stats();

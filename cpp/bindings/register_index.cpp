@@ -106,6 +106,22 @@ py::array_t<T> to_array(const std::vector<T>& v) {
     return out;
 }
 
+/// np.asarray(value, dtype) as a vector, 1-D (the reference's _import_arrays: numpy's own
+/// conversion errors, then "<name> must be 1-D").
+template <class T>
+std::vector<T> numpy_vector(py::handle value, const char* name, const char* dtype) {
+    refuse_masked(value, name);
+    py::object arr = py::module_::import("numpy").attr("asarray")(value, py::arg("dtype") = dtype);
+    const auto ndim = arr.attr("ndim").cast<int>();
+    if (ndim != 1) throw ValueError(std::string(name) + " must be 1-D, got a " + std::to_string(ndim) + "-D array");
+    auto a = py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(arr);
+    return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+py::tuple export_tuple(const ReplicaContents& c) {
+    return py::make_tuple(to_array(c.hashes), to_array(c.parents), to_array(c.held), to_array(c.ages));
+}
+
 }  // namespace
 
 void register_index(py::module_& m) {
@@ -226,6 +242,43 @@ any blocks, optional capacity (per-replica LRU, deepest blocks first) and ttl (e
                 return to_array(out);
             },
             py::arg("replica"), "The hashes the replica holds, sorted ascending (uint64 array).")
+        .def(
+            "export_replica",
+            [](const PrefixIndex& ix, py::handle replica, py::handle now) {
+                const std::int64_t r = replica_arg(ix, replica);
+                const double t = now_arg(now);
+                ReplicaContents c;
+                {
+                    py::gil_scoped_release release;  // walks every node
+                    c = ix.export_replica(r, t);
+                }
+                return export_tuple(c);
+            },
+            py::arg("replica"), py::arg("now") = py::none(),
+            "The replica's contents as (hashes, parents, held, ages), for snapshots: held blocks and their "
+            "ancestors in depth-first preorder (siblings by hash), parent indices (-1 at the root), held indices "
+            "least recent first, seconds since each was touched.")
+        .def(
+            "import_replica",
+            [](PrefixIndex& ix, py::handle replica, py::handle hashes, py::handle parents, py::handle held,
+               py::handle ages, py::handle now) {
+                const std::int64_t r = replica_arg(ix, replica);
+                ReplicaContents c;
+                {
+                    const HashView h = as_hashes(hashes);
+                    c.hashes.assign(h.data(), h.data() + h.size());
+                }
+                c.parents = numpy_vector<std::int64_t>(parents, "parents", "int64");
+                c.held = numpy_vector<std::int64_t>(held, "held", "int64");
+                c.ages = numpy_vector<double>(ages, "ages", "float64");
+                const double t = now_arg(now);
+                py::gil_scoped_release release;  // builds every chain
+                return ix.import_replica(r, c, t);
+            },
+            py::arg("replica"), py::arg("hashes"), py::arg("parents"), py::arg("held"), py::arg("ages"),
+            py::arg("now") = py::none(),
+            "Replace the replica's contents with an export_replica() result; returns blocks held. Everything is "
+            "checked first (ValueError, index unchanged).")
         .def(
             "set_engine_block",
             [](PrefixIndex& ix, py::handle replica, py::handle k) {

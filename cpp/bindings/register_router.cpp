@@ -15,6 +15,7 @@
 #include "kvroute/router.hpp"
 #include "pyargs.hpp"
 #include "register.hpp"
+#include "py_router.hpp"
 #include "tokens.hpp"
 
 namespace py = pybind11;
@@ -71,6 +72,22 @@ std::optional<std::string> session_arg(py::handle h, std::size_t max_bytes) {
         throw ValueError("session must be at most " + std::to_string(max_bytes) +
                          " bytes (max_session_bytes), got " + std::to_string(s.size()));
     return s;
+}
+
+// A session id given where one is required (not None).
+std::string required_session_arg(py::handle h, std::size_t max_bytes) {
+    if (!PyUnicode_Check(h.ptr())) throw TypeError("session must be a str, got " + type_name(h));
+    return *session_arg(h, max_bytes);
+}
+
+// A set_external_load() term: an int (not a bool) in [0, 2**40].
+std::int64_t external_arg(const char* what, py::handle h) {
+    py::object v = index_arg(what, h);
+    int overflow = 0;
+    const long long raw = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow != 0 || raw < 0 || raw > kMaxExternalLoad)
+        throw ValueError(std::string(what) + " must be in [0, 2**40], got " + py::str(v).cast<std::string>());
+    return raw;
 }
 
 // A handle; nullopt when it is an int no int64 holds (never issued, so IndexError later).
@@ -144,10 +161,6 @@ std::int64_t num_tokens_arg(py::handle h) {
 }
 
 // Keeps the RouterConfig object alive next to the core, for Router.config.
-struct PyRouter {
-    std::shared_ptr<Router> core;
-    py::object config;
-};
 
 py::object opt_int(const std::optional<std::int64_t>& v) {
     return v ? py::object(py::int_(*v)) : py::object(py::none());
@@ -268,9 +281,42 @@ void def_load(py::class_<PyRouter>& cls) {
                  d["kv_usage"] = l.kv_usage ? py::object(py::float_(*l.kv_usage)) : py::object(py::none());
                  d["healthy"] = l.healthy;
                  d["draining"] = l.draining;
+                 const ExternalLoad& e = l.external;
+                 py::dict own, ext;
+                 own["in_flight"] = l.in_flight - e.in_flight;
+                 own["queued_prefill_tokens"] = l.queued_prefill_tokens - e.queued_prefill_tokens;
+                 own["prefill_requests"] = l.prefill_requests - e.prefill_requests;
+                 own["prefill_blocks"] = l.prefill_blocks - e.prefill_blocks;
+                 own["decode_blocks"] = l.decode_blocks - e.decode_blocks;
+                 ext["in_flight"] = e.in_flight;
+                 ext["queued_prefill_tokens"] = e.queued_prefill_tokens;
+                 ext["prefill_requests"] = e.prefill_requests;
+                 ext["prefill_blocks"] = e.prefill_blocks;
+                 ext["decode_blocks"] = e.decode_blocks;
+                 d["own"] = own;
+                 d["external"] = ext;
                  return d;
              },
-             py::arg("name"), "A replica's load terms: the router's own accounting plus reported figures.")
+             py::arg("name"),
+             "A replica's load terms (own + external), reported figures and flags; \"own\": the requests "
+             "this router routed there, \"external\": what set_external_load() set.")
+        .def("set_external_load",
+             [](PyRouter& r, py::handle name, py::handle in_flight, py::handle queued, py::handle prefill_requests,
+                py::handle prefill_blocks, py::handle decode_blocks) {
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);  // KeyError before the terms' errors, as the reference
+                 ExternalLoad e;
+                 e.in_flight = external_arg("in_flight", in_flight);
+                 e.queued_prefill_tokens = external_arg("queued_prefill_tokens", queued);
+                 e.prefill_requests = external_arg("prefill_requests", prefill_requests);
+                 e.prefill_blocks = external_arg("prefill_blocks", prefill_blocks);
+                 e.decode_blocks = external_arg("decode_blocks", decode_blocks);
+                 r.core->set_external_load(n, e);
+             },
+             py::arg("name"), py::kw_only(), py::arg("in_flight") = 0, py::arg("queued_prefill_tokens") = 0,
+             py::arg("prefill_requests") = 0, py::arg("prefill_blocks") = 0, py::arg("decode_blocks") = 0,
+             "Replace the load other routers put on a replica (each term an int in [0, 2**40]); every "
+             "policy then sees own + external.")
         .def("stats",
              [](const PyRouter& r) {
                  const RouterStats s = r.core->stats();
@@ -342,6 +388,42 @@ void def_routing(py::class_<PyRouter>& cls) {
              "The request ended (completed, failed or cancelled): release its load.");
 }
 
+void def_sharing(py::class_<PyRouter>& cls) {
+    cls
+        .def("bind_session",
+             [](PyRouter& r, py::handle session, py::handle name, py::handle now) {
+                 const std::string s = required_session_arg(session, r.core->options().max_session_bytes);
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);  // KeyError before now's errors, as the reference
+                 r.core->bind_session(s, n, now_arg(now));
+             },
+             py::arg("session"), py::arg("name"), py::kw_only(), py::arg("now") = py::none(),
+             "Bind (or rebind) a session to a replica as if this router had routed it there: sliding TTL "
+             "from now, within the session table's bounds.")
+        .def("session",
+             [](const PyRouter& r, py::handle session, py::handle now) -> py::object {
+                 const std::string s = required_session_arg(session, r.core->options().max_session_bytes);
+                 const std::optional<std::string> name = r.core->session(s, now_arg(now));
+                 return name ? py::object(py::str(*name)) : py::object(py::none());
+             },
+             py::arg("session"), py::kw_only(), py::arg("now") = py::none(),
+             "The replica a session is bound to, or None (unbound, expired, replica removed); the TTL is "
+             "not refreshed.")
+        .def("observe_route",
+             [](PyRouter& r, py::handle name, py::handle hashes, py::handle now) {
+                 const std::string n = name_arg(name);
+                 r.core->replica_id(n);
+                 HashView view = as_hashes(hashes, "hashes");
+                 const std::optional<double> t = now_arg(now);
+                 py::gil_scoped_release release;  // the index walk loops over the prompt
+                 return r.core->observe_route(n, view.data(), view.size(), t);
+             },
+             py::arg("name"), py::arg("hashes"), py::kw_only(), py::arg("now") = py::none(),
+             "Another router routed a prompt with these block hashes to `name`: insert them as this "
+             "router's own route would (approximate: index, hybrid: speculative index; precise: nothing, 0). "
+             "Returns blocks newly held; no load, session or tie change.");
+}
+
 }  // namespace
 
 void register_router(py::module_& m) {
@@ -372,6 +454,8 @@ void register_router(py::module_& m) {
     def_fleet(cls);
     def_load(cls);
     def_routing(cls);
+    def_sharing(cls);
+    def_snapshot(cls);  // register_snapshot.cpp
 }
 
 }  // namespace kvroute::bindings

@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <deque>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <utility>
 
+#include "events_state.hpp"
 #include "events_wire.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/events.hpp"
@@ -18,74 +20,7 @@ namespace kvroute {
 namespace {
 
 using support::HashMap;
-
-/// Media bits of each tier: GPU (medium id 0) is tier 0, every other medium tier 1.
-constexpr std::uint64_t kTierMask[2] = {1, ~std::uint64_t{1}};
-
-struct OwnedMm {
-    std::string id;
-    std::uint64_t offset = 0;
-};
-
-/// What only pages that start or end inside a router block need: their place in the prompt and
-/// parent (to walk the pages a router block spans), the tokens and items after their last
-/// router-block boundary, and the later pages whose first router block spans them.
-struct Extra {
-    std::uint64_t start = 0, parent = 0;
-    std::uint32_t lead = 0;
-    bool has_parent = false;
-    std::vector<std::uint32_t> tail;
-    std::vector<OwnedMm> tail_mm;
-    std::vector<std::uint64_t> dependents;
-};
-
-/// One engine block (engine hash, group) of one replica; see the reference's _Entry. Kept small
-/// (the per-block table is the hot path): what pages need lives in `extra`.
-struct Entry {
-    std::uint64_t end = 0;   // token position after it in the prompt
-    std::uint64_t seed = 0;  // chain hash at the last boundary <= end
-    std::uint64_t seq = 0;   // store recency (map bound)
-    std::uint64_t media = 0; // bit per medium id
-    std::uint64_t kv0 = 0;
-    std::unique_ptr<std::uint64_t[]> more;  // kv[1..n_kv)
-    std::unique_ptr<Extra> extra;
-    std::uint32_t n_kv = 0;
-    bool dep = false;           // kv[0] spans earlier pages (extra->lead > 0)
-    std::uint8_t first_ok = 0;  // bit t: kv[0] counted in tier t
-
-    std::uint64_t kv(std::uint32_t i) const noexcept { return i == 0 ? kv0 : more[i - 1]; }
-    bool has_tier(int t) const noexcept { return (media & kTierMask[t]) != 0; }
-    bool first_counted(int t) const noexcept { return !dep || ((first_ok >> t) & 1); }
-};
-
-struct GroupState {
-    HashMap<Entry> entries;
-    HashMap<std::uint32_t> refs[2];  // kvroute hash -> entries holding it, per tier
-    std::vector<std::uint64_t> dead;
-    std::optional<std::uint64_t> engine_block_size;
-    std::deque<std::pair<std::uint64_t, std::uint64_t>> order;  // (key, seq), with an index capacity
-};
-
-struct ReplicaState {
-    std::vector<std::unique_ptr<GroupState>> groups;  // by group id; live where group_mask has its bit
-    std::uint64_t group_mask = 0;
-    std::optional<std::string> salt;  // set_salt(): this replica's own salt and chain root
-    std::uint64_t root = 0;
-    std::optional<double> last_ts;
-    std::uint64_t batches = 0;
-    std::uint64_t skipped[kSkipKinds] = {};
-    std::uint64_t k = 1;
-    std::optional<std::uint64_t> engine_block_size;
-
-    GroupState* find_group(std::uint64_t g) const noexcept {
-        return g < groups.size() && ((group_mask >> g) & 1) ? groups[g].get() : nullptr;
-    }
-    template <class F>
-    void each_group(F&& f) const {
-        for (std::size_t g = 0; g < groups.size(); ++g)
-            if ((group_mask >> g) & 1) f(*groups[g]);
-    }
-};
+using namespace applier;
 
 /// Chain state at the end of an entry (or at a root): where the next engine block continues.
 struct ChainState {
@@ -755,6 +690,77 @@ void EventApplier::clear_replica(std::int64_t r) {
     m.check_mutating(r);
     ReplicaState& st = m.state(r);
     m.clear(r, st);
+}
+
+namespace {
+void refuse_tier(const std::shared_ptr<PrefixIndex>& tier) {
+    if (tier)
+        throw ValueError("an applier with a tier_index cannot be exported or imported "
+                         "(the tier index is not part of a snapshot)");
+}
+}  // namespace
+
+std::string EventApplier::export_replica(std::int64_t r) const {
+    const Impl& m = *impl_;
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.check(r);
+    refuse_tier(m.tier);
+    std::vector<std::string> names(m.media.size());
+    for (const auto& kv : m.media) names[kv.second] = kv.first;
+    const auto i = static_cast<std::size_t>(r);
+    static const ReplicaState fresh;
+    const ReplicaState& st = i < m.replicas.size() && m.replicas[i] ? *m.replicas[i] : fresh;
+    return applier::encode_replica(st, m.block_size, m.salt, m.seq, names);
+}
+
+std::shared_ptr<applier::DecodedReplica> EventApplier::decode_replica(const std::uint8_t* data, std::size_t len) const {
+    const Impl& m = *impl_;
+    refuse_tier(m.tier);
+    return std::make_shared<applier::DecodedReplica>(applier::decode_replica(data, len, m.block_size, m.salt));
+}
+
+void EventApplier::check_media(const std::vector<const applier::DecodedReplica*>& states) const {
+    const Impl& m = *impl_;
+    std::lock_guard<std::mutex> lock(m.mu);
+    std::set<std::string> known;
+    for (const auto& kv : m.media) known.insert(kv.first);
+    for (const applier::DecodedReplica* d : states) known.insert(d->media.begin(), d->media.end());
+    if (known.size() > kMaxMedia)
+        throw ValueError("applier state names too many media: an applier tells at most " + std::to_string(kMaxMedia) +
+                         " apart");
+}
+
+void EventApplier::install_replica(std::int64_t r, applier::DecodedReplica& d) {
+    Impl& m = *impl_;
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.check_mutating(r);
+    std::vector<std::uint64_t> bit(d.media.size());  // file bit i -> this applier's medium bit
+    for (std::size_t i = 0; i < d.media.size(); ++i)
+        bit[i] = std::uint64_t{1} << static_cast<std::uint64_t>(m.medium_id(d.media[i]));
+    const bool bounded = m.index->capacity().has_value();
+    ReplicaState& st = *d.state;
+    for (std::size_t gid = 0; gid < st.groups.size(); ++gid) {
+        if (!((st.group_mask >> gid) & 1)) continue;
+        GroupState& g = *st.groups[gid];
+        g.entries.for_each([&](std::uint64_t, Entry& e) {
+            std::uint64_t media = 0;
+            for (std::size_t i = 0; i < bit.size(); ++i)
+                if ((e.media >> i) & 1) media |= bit[i];
+            e.media = media;
+        });
+        if (bounded) g.order.assign(d.order[gid].begin(), d.order[gid].end());
+    }
+    m.seq = std::max(m.seq, d.max_seq);
+    m.state(r);
+    m.replicas[static_cast<std::size_t>(r)] = std::move(d.state);
+}
+
+void EventApplier::import_replica(std::int64_t r, const std::uint8_t* data, std::size_t len) {
+    impl_->check_mutating(r);
+    refuse_tier(impl_->tier);
+    const auto d = decode_replica(data, len);
+    check_media({d.get()});
+    install_replica(r, *d);
 }
 
 EventApplierStats EventApplier::stats() const {

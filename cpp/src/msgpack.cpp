@@ -12,36 +12,6 @@ std::uint64_t be(const std::uint8_t* p, int n) noexcept {
     return v;
 }
 
-bool valid_utf8(const std::uint8_t* s, std::size_t n) noexcept {
-    std::size_t i = 0;
-    while (i < n) {
-        const std::uint8_t c = s[i];
-        if (c < 0x80) {
-            ++i;
-            continue;
-        }
-        auto cont = [&](std::size_t k) { return i + k < n && (s[i + k] & 0xC0) == 0x80; };
-        if (c >= 0xC2 && c <= 0xDF) {
-            if (!cont(1)) return false;
-            i += 2;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            if (!cont(1) || !cont(2)) return false;
-            const std::uint8_t d = s[i + 1];
-            // Overlong forms (E0 80..9F) and UTF-16 surrogates (ED A0..BF) are invalid.
-            if ((c == 0xE0 && d < 0xA0) || (c == 0xED && d > 0x9F)) return false;
-            i += 3;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            if (!cont(1) || !cont(2) || !cont(3)) return false;
-            const std::uint8_t d = s[i + 1];
-            if ((c == 0xF0 && d < 0x90) || (c == 0xF4 && d > 0x8F)) return false;
-            i += 4;
-        } else {
-            return false;
-        }
-    }
-    return true;
-}
-
 // msgspec turns ext type -1 into a datetime and rejects what a datetime cannot hold.
 bool valid_timestamp(const std::uint8_t* d, std::uint32_t len) noexcept {
     if (len == 4) return true;
@@ -185,6 +155,36 @@ Item integer(std::uint64_t u, bool negative) noexcept {
 Item signed_int(std::int64_t v) noexcept { return integer(static_cast<std::uint64_t>(v), v < 0); }
 
 }  // namespace
+
+bool valid_utf8(const std::uint8_t* s, std::size_t n) noexcept {
+    std::size_t i = 0;
+    while (i < n) {
+        const std::uint8_t c = s[i];
+        if (c < 0x80) {
+            ++i;
+            continue;
+        }
+        auto cont = [&](std::size_t k) { return i + k < n && (s[i + k] & 0xC0) == 0x80; };
+        if (c >= 0xC2 && c <= 0xDF) {
+            if (!cont(1)) return false;
+            i += 2;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            if (!cont(1) || !cont(2)) return false;
+            const std::uint8_t d = s[i + 1];
+            // Overlong forms (E0 80..9F) and UTF-16 surrogates (ED A0..BF) are invalid.
+            if ((c == 0xE0 && d < 0xA0) || (c == 0xED && d > 0x9F)) return false;
+            i += 3;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            if (!cont(1) || !cont(2) || !cont(3)) return false;
+            const std::uint8_t d = s[i + 1];
+            if ((c == 0xF0 && d < 0x90) || (c == 0xF4 && d > 0x8F)) return false;
+            i += 4;
+        } else {
+            return false;
+        }
+    }
+    return true;
+}
 
 const char* type_name(Type t) noexcept {
     switch (t) {

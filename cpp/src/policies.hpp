@@ -13,7 +13,9 @@
 
 namespace kvroute {
 
-/// One decision's inputs, read-only to every policy. Arrays are indexed by replica id.
+/// One decision's inputs, read-only to every policy. Arrays are indexed by replica id. The
+/// load counts (inflight, queued, loads' prefill/decode terms) are the router's own plus
+/// the external load other routers reported (Router::set_external_load).
 struct DecisionView {
     const std::uint64_t* hashes = nullptr;  ///< the prompt's block hashes
     std::size_t blocks = 0;                 ///< how many

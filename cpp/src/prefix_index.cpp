@@ -34,6 +34,7 @@
 #include "kvroute/bitset.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/support/big_array.hpp"
+#include "kvroute/support/hash_map.hpp"
 #include "kvroute/support/mix.hpp"
 
 namespace kvroute {
@@ -752,7 +753,7 @@ struct PrefixIndex::Impl {
 
     /// r holds hs, continuing after (cur, nx) (root: kRoot, 0). Validates, then mutates.
     std::size_t store(std::uint32_t r, std::uint32_t cur, std::uint32_t nx, const std::uint64_t* hs,
-                      std::size_t n, double now) {
+                      std::size_t n, double now, bool track = true) {
         if (n > kNil / 2) throw ValueError("a chain of " + std::to_string(n) + " blocks is too long");
         const std::size_t k = plan_chain(cur, nx, hs, n);
         const double t = advance(now);
@@ -801,7 +802,7 @@ struct PrefixIndex::Impl {
             const Slot* s = table.find(segs[gi].first);
             fixup(s->a);
         }
-        if (tracks) {
+        if (tracks && track) {
             for (std::size_t j = n; j-- > 0;) refresh(r, hs[j], t);
             if (capacity) {
                 while (count[r] > *capacity) {
@@ -811,6 +812,15 @@ struct PrefixIndex::Impl {
             }
         }
         return fresh;
+    }
+
+    /// The hash of h's parent block (whose slot is s), or nullopt at the root.
+    std::optional<std::uint64_t> parent_of(const Slot* s) const noexcept {
+        const std::uint32_t off = offset_of(s);
+        if (off > 0) return run(s->a)[off - 1];
+        const std::uint32_t p = nodes[s->a].parent;
+        if (p == kRoot) return std::nullopt;
+        return run(p)[nodes[p].len - 1];
     }
 
     void drop_replica_blocks(std::uint32_t r) {
@@ -1221,6 +1231,162 @@ void PrefixIndex::check_invariants() const {
         }
         if (entries != d.pairs.size()) broken("the pair table holds entries that are in no LRU list");
     }
+}
+
+}  // namespace kvroute
+
+// -- export / import (snapshots; twin of the reference's export_replica/import_replica) ----
+
+namespace kvroute {
+namespace {
+
+void check_contents_shape(const ReplicaContents& c) {
+    const std::size_t n = c.hashes.size();
+    if (c.parents.size() != n)
+        throw ValueError("parents must have one entry per hash, got " + std::to_string(c.parents.size()) + " for " +
+                         std::to_string(n) + " hashes");
+    if (c.ages.size() != c.held.size())
+        throw ValueError("ages must have one entry per held block, got " + std::to_string(c.ages.size()) + " for " +
+                         std::to_string(c.held.size()));
+    support::HashMap<char> seen;
+    for (std::size_t i = 0; i < n; ++i) {
+        const std::int64_t p = c.parents[i];
+        if (p < -1 || p >= static_cast<std::int64_t>(i))
+            throw ValueError("parents[" + std::to_string(i) + "] must be -1 or an index below " + std::to_string(i) +
+                             ", got " + std::to_string(p));
+        bool fresh = false;
+        seen.get(c.hashes[i], fresh);
+        if (!fresh)
+            throw ValueError("hash " + hex(c.hashes[i]) + " at index " + std::to_string(i) + " is repeated");
+    }
+    std::vector<char> taken(n, 0);
+    for (std::size_t j = 0; j < c.held.size(); ++j) {
+        const std::int64_t i = c.held[j];
+        if (i < 0 || i >= static_cast<std::int64_t>(n))
+            throw ValueError("held[" + std::to_string(j) + "] must be an index into hashes, got " + std::to_string(i));
+        if (taken[static_cast<std::size_t>(i)])
+            throw ValueError("held[" + std::to_string(j) + "] repeats index " + std::to_string(i));
+        taken[static_cast<std::size_t>(i)] = 1;
+        const double a = c.ages[j];
+        if (!(std::isfinite(a) && a >= 0)) throw ValueError("ages[" + std::to_string(j) + "] must be finite and >= 0");
+        if (j > 0 && a > c.ages[j - 1])
+            throw ValueError("ages must not increase along held (least recent first), ages[" + std::to_string(j) +
+                             "] > ages[" + std::to_string(j - 1) + "]");
+    }
+}
+
+}  // namespace
+
+ReplicaContents PrefixIndex::export_replica(std::int64_t r, double now) const {
+    const Impl& d = *impl_;
+    std::shared_lock lock(d.mu);
+    const std::uint32_t id = d.check_replica(r);
+    const double t = std::max(now, d.clock);
+    // The nodes r owns and every ancestor: a needed node is needed whole (a held descendant
+    // hangs from its last block, or r owns all of it).
+    std::vector<char> need(d.nodes.size(), 0);
+    for (std::uint32_t n = 1; n < d.nodes.size(); ++n) {
+        if (!d.nodes[n].live || !bits::test(d.own(n), id)) continue;
+        for (std::uint32_t x = n; x != kRoot && !need[x]; x = d.nodes[x].parent) need[x] = 1;
+    }
+    ReplicaContents out;
+    std::vector<std::int64_t> first(d.nodes.size(), -1);  // index of each node's first block
+    std::vector<char> owned;
+    std::vector<std::pair<std::uint64_t, std::uint32_t>> kids;
+    std::vector<std::uint32_t> stack{kRoot};
+    while (!stack.empty()) {
+        const std::uint32_t n = stack.back();
+        stack.pop_back();
+        if (n != kRoot) {
+            const std::uint32_t p = d.nodes[n].parent;
+            std::int64_t prev = p == kRoot ? -1 : first[p] + d.nodes[p].len - 1;
+            first[n] = static_cast<std::int64_t>(out.hashes.size());
+            const bool mine = bits::test(d.own(n), id);
+            for (std::uint32_t j = 0; j < d.nodes[n].len; ++j) {
+                out.hashes.push_back(d.run(n)[j]);
+                out.parents.push_back(prev);
+                owned.push_back(mine);
+                prev = static_cast<std::int64_t>(out.hashes.size()) - 1;
+            }
+        }
+        kids.clear();
+        for (std::uint32_t c = d.nodes[n].first_child; c != kNil; c = d.nodes[c].next_sib)
+            if (need[c]) kids.emplace_back(d.run(c)[0], c);
+        std::sort(kids.begin(), kids.end(), std::greater<>());  // the smallest hash is visited first
+        for (const auto& k : kids) stack.push_back(k.second);
+    }
+    if (d.tracks) {
+        for (std::uint32_t e = d.lru_head[id]; e != kNil; e = d.lru[e].next) {
+            const Slot* s = d.table.find(d.lru[e].hash);
+            out.held.push_back(first[s->a] + d.offset_of(s));
+            out.ages.push_back(t - d.lru[e].stamp);
+        }
+    } else {
+        for (std::size_t i = out.hashes.size(); i-- > 0;)
+            if (owned[i]) {
+                out.held.push_back(static_cast<std::int64_t>(i));
+                out.ages.push_back(0.0);
+            }
+    }
+    return out;
+}
+
+void PrefixIndex::check_import(const ReplicaContents& c) const {
+    std::shared_lock lock(impl_->mu);
+    check_import_locked(c);
+}
+
+void PrefixIndex::check_import_locked(const ReplicaContents& c) const {
+    const Impl& d = *impl_;
+    check_contents_shape(c);
+    for (std::size_t i = 0; i < c.hashes.size(); ++i) {
+        const Slot* s = d.table.find(c.hashes[i]);
+        if (!s) continue;
+        const std::optional<std::uint64_t> have = d.parent_of(s);
+        const std::int64_t p = c.parents[i];
+        const bool same = p < 0 ? !have : (have && *have == c.hashes[static_cast<std::size_t>(p)]);
+        if (!same)
+            throw ValueError("block " + hex(c.hashes[i]) + " at index " + std::to_string(i) +
+                             " is already in the index under a different parent");
+    }
+}
+
+std::size_t PrefixIndex::import_replica(std::int64_t r, const ReplicaContents& c, double now) {
+    Impl& d = *impl_;
+    std::unique_lock lock(d.mu);
+    const std::uint32_t id = d.check_replica(r);
+    check_import_locked(c);
+    d.drop_replica_blocks(id);
+    const double t = d.advance(now);
+    const std::size_t n = c.hashes.size();
+    // Runs of consecutive blocks whose parent is the block before them: one store each.
+    for (std::size_t a = 0; a < n;) {
+        std::size_t b = a + 1;
+        while (b < n && c.parents[b] == static_cast<std::int64_t>(b) - 1) ++b;
+        const std::int64_t p = c.parents[a];
+        if (p < 0) {
+            d.store(id, kRoot, 0, c.hashes.data() + a, b - a, t, false);
+        } else {
+            const Slot* s = d.table.find(c.hashes[static_cast<std::size_t>(p)]);
+            d.store(id, s->a, d.offset_of(s) + 1, c.hashes.data() + a, b - a, t, false);
+        }
+        a = b;
+    }
+    std::vector<char> keep(n, 0);
+    for (const std::int64_t i : c.held) keep[static_cast<std::size_t>(i)] = 1;
+    for (std::size_t i = n; i-- > 0;)
+        if (!keep[i]) d.drop_block(id, c.hashes[i]);
+    if (d.tracks) {
+        for (std::size_t j = 0; j < c.held.size(); ++j)
+            d.refresh(id, c.hashes[static_cast<std::size_t>(c.held[j])], t - c.ages[j]);
+        if (d.capacity) {
+            while (d.count[id] > *d.capacity) {
+                d.drop_oldest(id);
+                ++d.evictions;
+            }
+        }
+    }
+    return d.count[id];
 }
 
 }  // namespace kvroute

@@ -118,6 +118,10 @@ struct Router::Impl {
                    const std::optional<std::string>& session, double t);
     void prefill_done(std::int64_t handle);
     void finish(std::int64_t handle);
+    void set_external_load(std::uint32_t r, const ExternalLoad& e);
+    void bind_session(const std::string& key, std::uint32_t r, double t);
+    std::optional<std::string> session_of(const std::string& key, double t) const;
+    std::size_t observe_route(std::uint32_t r, const std::uint64_t* hashes, std::size_t n, double t);
 
     std::uint32_t lookup(const std::string& name) const {
         auto it = ids.find(name);
@@ -132,6 +136,7 @@ struct Router::Impl {
     void reset_slot(std::uint32_t r);
     void refresh_eligible();
     void expire(double t);
+    void expire_indexes(double t);
     void compute_match(const std::uint64_t* hashes, std::size_t pb, std::int64_t num_tokens);
     const std::vector<std::uint32_t>& build_order(std::int64_t excluded);
     Picked pick(const DecisionView& v, const std::optional<std::string>& session, double t, std::uint64_t& rng);
@@ -285,10 +290,14 @@ void Router::Impl::refresh_eligible() {
     eligible_dirty = false;
 }
 
-// Time-driven housekeeping before a decision: index TTLs and requests never finished.
-void Router::Impl::expire(double t) {
+void Router::Impl::expire_indexes(double t) {
     if (opt.index_ttl) index->expire(t);
     if (spec) spec->expire(t);
+}
+
+// Time-driven housekeeping before a decision: index TTLs and requests never finished.
+void Router::Impl::expire(double t) {
+    expire_indexes(t);
     while (!requests.empty()) {
         auto it = requests.begin();
         if (!(it->second.routed_at + opt.request_ttl <= t)) break;
@@ -515,6 +524,53 @@ void Router::Impl::finish(std::int64_t handle) {
     requests.erase(it);
 }
 
+// The counts policies read are own + external: replacing the external part moves them by
+// the difference, so a decision costs nothing more with external load set.
+void Router::Impl::set_external_load(std::uint32_t r, const ExternalLoad& e) {
+    ReplicaLoad& l = loads[r];
+    const ExternalLoad o = l.external;
+    inflight[r] += e.in_flight - o.in_flight;
+    queued[r] += e.queued_prefill_tokens - o.queued_prefill_tokens;
+    l.prefill_requests += e.prefill_requests - o.prefill_requests;
+    l.prefill_blocks += e.prefill_blocks - o.prefill_blocks;
+    l.decode_blocks += e.decode_blocks - o.decode_blocks;
+    l.external = e;
+}
+
+// Another router routed this session to r: the same table update as our own route's, with
+// the block count kept only while it stays on the same replica (unknown otherwise: 0).
+void Router::Impl::bind_session(const std::string& key, std::uint32_t r, double t) {
+    Picked p;
+    std::int64_t blocks = 0;
+    auto it = sessions.find(key);
+    if (it != sessions.end()) {
+        p.entry = it->second;
+        if (p.entry->last_seen + opt.session_ttl <= t)
+            p.expired_entry = true;
+        else if (p.entry->replica == r && p.entry->gen == gen[r])
+            blocks = p.entry->blocks;
+    }
+    update_session(key, p, r, blocks, t);
+}
+
+std::optional<std::string> Router::Impl::session_of(const std::string& key, double t) const {
+    auto it = sessions.find(key);
+    if (it == sessions.end()) return std::nullopt;
+    const Session& s = *it->second;
+    if (s.last_seen + opt.session_ttl <= t) return std::nullopt;
+    if (!live[s.replica] || gen[s.replica] != s.gen) return std::nullopt;  // removed since
+    return names[s.replica];
+}
+
+// Precise mode's index follows the engines' events, which every router subscribes to: no
+// route-time insert to share.
+std::size_t Router::Impl::observe_route(std::uint32_t r, const std::uint64_t* hashes, std::size_t n, double t) {
+    if (opt.mode == IndexMode::Precise) return 0;
+    expire_indexes(t);
+    if (spec) return spec->insert(r, hashes, n, t);
+    return index->insert(r, hashes, n, t);
+}
+
 // -- Router: the lock, then the implementation ----------------------------------------------
 
 Router::Router(RouterOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {}
@@ -582,6 +638,47 @@ ReplicaLoad Router::load(const std::string& name) const {
     return l;
 }
 
+void Router::set_external_load(const std::string& name, const ExternalLoad& e) {
+    const std::pair<const char*, std::int64_t> terms[] = {
+        {"in_flight", e.in_flight},           {"queued_prefill_tokens", e.queued_prefill_tokens},
+        {"prefill_requests", e.prefill_requests}, {"prefill_blocks", e.prefill_blocks},
+        {"decode_blocks", e.decode_blocks}};
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    const std::uint32_t r = impl_->lookup(name);
+    for (const auto& [what, v] : terms)
+        require(v >= 0 && v <= kMaxExternalLoad,
+                std::string(what) + " must be in [0, 2**40], got " + std::to_string(v));
+    impl_->set_external_load(r, e);
+}
+
+namespace {
+void check_session_size(const std::string& session, std::size_t limit) {
+    require(session.size() <= limit, "session must be at most " + std::to_string(limit) +
+                                         " bytes (max_session_bytes), got " + std::to_string(session.size()));
+}
+}  // namespace
+
+void Router::bind_session(const std::string& session, const std::string& name, std::optional<double> now) {
+    check_session_size(session, impl_->opt.max_session_bytes);
+    const double t = now ? *now : PrefixIndex::monotonic_now();
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->bind_session(session, impl_->lookup(name), t);
+}
+
+std::optional<std::string> Router::session(const std::string& session, std::optional<double> now) const {
+    check_session_size(session, impl_->opt.max_session_bytes);
+    const double t = now ? *now : PrefixIndex::monotonic_now();
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->session_of(session, t);
+}
+
+std::size_t Router::observe_route(const std::string& name, const std::uint64_t* hashes, std::size_t n,
+                                  std::optional<double> now) {
+    const double t = now ? *now : PrefixIndex::monotonic_now();
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    return impl_->observe_route(impl_->lookup(name), hashes, n, t);
+}
+
 RouterStats Router::stats() const {
     std::lock_guard<std::mutex> lock(impl_->mu);
     RouterStats s = impl_->stats;
@@ -628,6 +725,56 @@ void Router::prefill_done(std::int64_t handle) {
 void Router::finish(std::int64_t handle) {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->finish(handle);
+}
+
+// -- snapshots (snapshot.cpp writes and reads the file) ---------------------------------------
+
+std::vector<SessionRecord> Router::export_sessions(double now) const {
+    const Impl& d = *impl_;
+    std::lock_guard<std::mutex> lock(d.mu);
+    std::vector<SessionRecord> out;
+    for (const Impl::Session& s : d.lru) {
+        if (!d.live[s.replica] || d.gen[s.replica] != s.gen || !(s.last_seen + d.opt.session_ttl > now)) continue;
+        out.push_back(SessionRecord{s.key, s.replica, s.blocks, std::max(0.0, now - s.last_seen)});
+    }
+    return out;
+}
+
+std::size_t Router::import_sessions(const std::vector<std::uint32_t>& replicas,
+                                    const std::vector<SessionRecord>& sessions, double now) {
+    Impl& d = *impl_;
+    std::lock_guard<std::mutex> lock(d.mu);
+    std::vector<char> gone(d.names.size(), 0);
+    for (const std::uint32_t r : replicas) gone[r] = 1;
+    for (auto it = d.lru.begin(); it != d.lru.end();) {
+        if (!gone[it->replica]) {
+            ++it;
+            continue;
+        }
+        d.session_bytes -= static_cast<std::int64_t>(it->key.size());
+        d.sessions.erase(it->key);
+        it = d.lru.erase(it);
+    }
+    std::size_t n = 0;
+    for (const SessionRecord& rec : sessions) {
+        const double last = now - rec.age;
+        // An id longer than this table takes in all would only push every other one out.
+        if (!(last + d.opt.session_ttl > now) || rec.key.size() > d.opt.max_session_bytes) continue;
+        auto it = d.sessions.find(rec.key);
+        if (it != d.sessions.end()) {
+            d.session_bytes -= static_cast<std::int64_t>(rec.key.size());
+            d.lru.erase(it->second);
+            d.sessions.erase(it);
+        }
+        d.lru.push_back(Impl::Session{rec.key, rec.replica, d.gen[rec.replica], rec.blocks, last});
+        d.sessions.emplace(rec.key, std::prev(d.lru.end()));
+        d.session_bytes += static_cast<std::int64_t>(rec.key.size());
+        ++n;
+    }
+    while (d.sessions.size() > d.opt.max_sessions ||
+           d.session_bytes > static_cast<std::int64_t>(d.opt.max_session_bytes))
+        d.drop_session_front(d.stats.session_evictions);
+    return n;
 }
 
 }  // namespace kvroute

@@ -37,6 +37,15 @@ requested number on, then an end marker, and may lose replies to its send high-w
   restarted process even when its first batch to arrive carries the number expected next;
   where nothing can be checked (no replay endpoint, or no batch applied since a resync) a
   new connection clears the replica and follows the publisher anew (a resync).
+- Resume (`resume(seq, digest)`, before anything else; contract C8): the replica's state
+  was restored from a snapshot taken right after batch `seq`, whose payload has
+  `digest(payload) == digest`. That batch is the anchor of a replay asked at once (live
+  batches held meanwhile): it comes back with the same digest: the same process, whose
+  later batches are applied from the reply on; the ring no longer holds it (the first
+  reply is later): cleared and followed from that reply; other bytes, an earlier number,
+  nothing from it on, or no answer: cleared and followed anew. Without a replay endpoint
+  the replica is cleared at once. Every such clear counts as one resync, not a restart.
+  `cursor()` is {"seq", "digest"} of the last batch applied (or resumed from), else None.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ class _Round:
     """One replay request in flight."""
 
     anchor: int | None  # the last applied number, asked first to verify the process
-    anchor_payload: bytes | None
+    anchor_digest: int | None  # digest() of its payload
     probe: bool
     started: float
     active: float
@@ -100,8 +109,12 @@ class _Round:
     progress: bool = False  # applied at least one batch
 
 
-def _digest(payload: bytes) -> int:
+def digest(payload: bytes) -> int:
+    """XXH3-64 of a batch's payload bytes: what a cursor's "digest" holds."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+_digest = digest
 
 
 class Follower:
@@ -124,7 +137,10 @@ class Follower:
         self._probe = probe_interval
         self.c = Counters()
         self.last_seq = -1
-        self._last_payload: bytes | None = None
+        self._last_payload: bytes | None = None  # of last_seq, when applied here
+        self._resumed_digest: int | None = None  # of last_seq, when resumed from a cursor
+        self._resuming = False  # resumed and the anchor not verified yet
+        self._cleared = False  # resume cleared the replica: a first batch beyond 0 loses nothing more
         self._live_max = -1  # highest live number received from this process
         self._seen_max = -1  # highest number known to exist in this process
         self._floor = -1  # numbers up to here were skipped by a resync: their echoes are old
@@ -166,8 +182,11 @@ class Follower:
             self._hold(seq, payload)
             self._start(now, probe=False)
         else:
-            self.c.gaps += 1
-            self._resync(seq - 1)
+            if self._cleared:  # already cleared and counted by resume()
+                self.last_seq = self._floor = seq - 1
+            else:
+                self.c.gaps += 1
+                self._resync(seq - 1)
             self._apply(seq, payload, replayed=False)
 
     def on_reply(self, seq: int, payload: bytes, now: float) -> None:
@@ -179,11 +198,13 @@ class Follower:
         if r.first:
             r.first = False
             if r.anchor is not None and seq <= r.anchor:
-                if seq < r.anchor or payload != r.anchor_payload:
+                if seq < r.anchor or _digest(payload) != r.anchor_digest:
                     self._restart()  # same number, other bytes: another process
                     self._start(now, probe=False)
+                else:
+                    self._resuming = False  # the anchor checked out: the same process
                 return
-            if r.anchor is not None and r.verify:
+            if r.anchor is not None and r.verify and not self._resuming:
                 # A new connection and the ring no longer holds our last number: nothing
                 # tells whether this is the same process. Start over.
                 self._restart(counter="resyncs")
@@ -228,7 +249,7 @@ class Follower:
             self._ops.cancel()
             self._round = None
         self._drop_held()
-        if exclusive and (not self._replay or self._last_payload is None):
+        if exclusive and (not self._replay or self._anchor_digest() is None):
             if self.last_seq >= 0:
                 self._restart(counter="resyncs")
             else:
@@ -236,6 +257,28 @@ class Follower:
         if self._replay:
             self._verify = True
             self.tick(now)
+
+    def resume(self, seq: int, digest: int, now: float) -> None:
+        """The replica holds what batches up to `seq` (payload digest `digest`) left, restored
+        from a snapshot: verify by a replay from `seq` before applying anything, or clear
+        (one resync) when that cannot be done. Call it before any other input."""
+        if not self._replay:
+            self._ops.clear()
+            self.c.resyncs += 1
+            self._cleared = True
+            return
+        self.last_seq = self._seen_max = seq
+        self._last_payload = None
+        self._resumed_digest = digest
+        self._resuming = True
+        self._start(now, probe=False, verify=True)
+
+    def cursor(self) -> dict[str, int] | None:
+        """{"seq", "digest"} of the last batch applied (or resumed from), else None."""
+        d = self._anchor_digest()
+        if self.last_seq < 0 or d is None:
+            return None
+        return {"seq": self.last_seq, "digest": d}
 
     def tick(self, now: float) -> None:
         """Timers: a replay idle or running too long ends; a silent publisher is probed."""
@@ -274,9 +317,15 @@ class Follower:
             return d != _digest(payload)
         return seq > self._floor
 
+    def _anchor_digest(self) -> int | None:
+        if self._last_payload is not None:
+            return _digest(self._last_payload)
+        return self._resumed_digest
+
     def _start(self, now: float, *, probe: bool, verify: bool = False) -> None:
-        anchor = self.last_seq if self.last_seq >= 0 and self._last_payload is not None else None
-        self._round = _Round(anchor, self._last_payload, probe, now, now, verify=verify)
+        d = self._anchor_digest() if self.last_seq >= 0 else None
+        anchor = self.last_seq if d is not None else None
+        self._round = _Round(anchor, d, probe, now, now, verify=verify)
         if probe:
             self.c.probes += 1
         else:
@@ -321,7 +370,8 @@ class Follower:
         self.c.resyncs += 1
         self.last_seq = last
         self._floor = max(self._floor, last)
-        self._last_payload = None
+        self._last_payload = self._resumed_digest = None
+        self._resuming = False
         self._echo.clear()
         for s in [s for s in self._held if s <= last]:
             self._release(s)
@@ -330,13 +380,16 @@ class Follower:
         self._ops.cancel()
         self._round = None
         self._ops.clear()
+        if self._resuming:
+            counter = "resyncs"  # the snapshot's state could not be continued
         setattr(self.c, counter, getattr(self.c, counter) + 1)
         self._forget()
 
     def _forget(self) -> None:
         """Forget every number of the publisher, as for a new process."""
         self.last_seq = self._live_max = self._seen_max = self._floor = -1
-        self._last_payload = None
+        self._last_payload = self._resumed_digest = None
+        self._resuming = False
         self._echo.clear()
         self._drop_held()
         self._attempts = 0
@@ -349,10 +402,11 @@ class Follower:
     # -- applying and holding -------------------------------------------------------------
 
     def _apply(self, seq: int, payload: bytes, *, replayed: bool) -> None:
+        self._cleared = False
         self._release(seq)
         self.last_seq = seq
-        if self._replay:
-            self._last_payload = payload
+        self._last_payload = payload  # one batch per publisher: its digest is computed on demand
+        self._resumed_digest = None
         if replayed:
             self.c.replayed_batches += 1
             if seq > self._live_max:

@@ -15,8 +15,9 @@ Three parts (wire formats: docs kv-events.md):
   sequence numbers (rules in kvroute._follow): streamed replays over DEALER on a gap,
   applied as they arrive and asked again after a hole; resync (clear the replica) only
   when history is lost; restarts noticed when numbers go back or a replayed batch differs;
-  tail probes of silent publishers; bounded buffers. pyzmq is imported only when a
-  Subscriber starts (the `kvroute[events]` extra).
+  tail probes of silent publishers; bounded buffers; resume from saved cursors after a
+  restart (contract C8). pyzmq is imported only when a Subscriber starts (the
+  `kvroute[events]` extra).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+import contextlib
+import operator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ._backend import backend as _backend
-from ._follow import Follower
+from ._follow import Follower, digest
 from .reference.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -169,7 +172,8 @@ class Subscriber:
     """Feeds engine KV event streams into an EventApplier from a background thread.
 
     Subscriber(applier, sources, *, replay_timeout=1.0, replay_max_seconds=30.0,
-    replay_attempts=3, probe_interval=1.0, max_buffer_bytes=64 MiB, poll_interval=0.05).
+    replay_attempts=3, probe_interval=1.0, max_buffer_bytes=64 MiB, poll_interval=0.05,
+    resume=None).
     Use start() and stop(), or `with Subscriber(...) as sub:`. One thread follows every
     publisher; nothing in it blocks on one publisher: replays (DEALER, both reply layouts)
     are read as they stream, between the other sockets' messages.
@@ -189,6 +193,17 @@ class Subscriber:
     after its last number (tail loss). Batches held while waiting (live messages during a
     replay, replies beyond a hole) are capped at `max_buffer_bytes` per publisher, highest
     numbers dropped first. Malformed frames or payloads are counted and skipped.
+
+    Warm restart (contract C8): `resume` maps replica ids to saved cursors {"seq": s,
+    "digest": d} (what cursors() returned when the applier's state was saved, e.g. with
+    Router.snapshot). For each, when the thread starts and before anything live is
+    applied, the publisher's replay is asked for batch s: if it comes back with digest d
+    (kvroute._follow.digest of its payload), the applier's restored state is continued
+    from s + 1 (removals of blocks stored before the snapshot resolve); if the ring no
+    longer holds s, the digest differs (the engine restarted) or there is no replay
+    endpoint (or it does not answer), the replica is cleared, counted as one resync, and
+    followed anew. cursors() gives the current cursors; paused() holds the thread between
+    batches so that cursors and applier state can be saved consistently.
     """
 
     def __init__(
@@ -202,6 +217,7 @@ class Subscriber:
         probe_interval: float | None = 1.0,
         max_buffer_bytes: int = 64 * _MIB,
         poll_interval: float = 0.05,
+        resume: Mapping[int, Mapping[str, int]] | None = None,
     ) -> None:
         srcs = list(sources)
         seen: set[int] = set()
@@ -220,6 +236,7 @@ class Subscriber:
         for name, v in (("replay_attempts", replay_attempts), ("max_buffer_bytes", max_buffer_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self._resume = _cursors_arg(resume, seen)
         self._applier = applier
         self._sources = srcs
         self._replay_timeout = float(replay_timeout)
@@ -313,6 +330,22 @@ class Subscriber:
         return {"replicas": replicas, **totals, "applier": self._applier.stats(),
                 "running": self.running}
 
+    def cursors(self) -> dict[int, dict[str, int]]:
+        """{replica id: {"seq", "digest"}} of the last batch applied (or resumed from) per
+        replica; a replica without one (none applied since the start or a resync) is left
+        out. Pass it as `resume` to a later Subscriber with the state saved alongside."""
+        with self._cond:
+            out = {r: t.follower.cursor() for r, t in self._tracks.items()}
+        return {r: c for r, c in out.items() if c is not None}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[dict[int, dict[str, int]]]:
+        """Hold the subscriber's thread between batches; yields cursors() for the applier
+        state as it is inside the block (save both there, e.g. Router.snapshot(...,
+        applier=, cursors=)). Keep it short: events queue meanwhile."""
+        with self._cond:
+            yield {r: c for r, t in self._tracks.items() if (c := t.follower.cursor()) is not None}
+
     def wait_for_seq(self, replica: int, seq: int, timeout: float | None = None, *,
                      settled: bool = False) -> bool:
         """Block until the replica's publisher has been followed up to `seq` (and, with
@@ -367,6 +400,7 @@ class Subscriber:
         try:
             try:
                 self._bind_all(zmq)
+                self._resume_all()
             except Exception as exc:  # noqa: BLE001 - reported by start()
                 self._error = exc
                 return
@@ -395,6 +429,15 @@ class Subscriber:
                 s.close(0)
             self._socks.clear()
             self._ctx.term()
+
+    def _resume_all(self) -> None:
+        """Ask each resumed replica's anchor (once: a later start() follows on as usual)."""
+        resume, self._resume = self._resume, {}
+        now = time.monotonic()
+        with self._cond:
+            for r, cur in resume.items():
+                t = self._tracks[r]
+                self._guard(t, t.follower.resume, cur["seq"], cur["digest"], now)
 
     def _wait_ms(self) -> int:
         now = time.monotonic()
@@ -453,6 +496,33 @@ class Subscriber:
             t._error(exc)
 
 
+def _cursors_arg(resume: Any, replicas: set[int]) -> dict[int, dict[str, int]]:
+    """Validated resume cursors: {replica: {"seq", "digest"}}, ints in [0, 2**64)."""
+    if resume is None:
+        return {}
+    if not isinstance(resume, Mapping):
+        raise TypeError(f"resume must be a mapping of replica id to cursor, got {type(resume).__name__}")
+    out: dict[int, dict[str, int]] = {}
+    for r, cur in resume.items():
+        if r not in replicas:
+            raise ValueError(f"resume has a cursor for replica {r!r}, which has no source")
+        if not isinstance(cur, Mapping):
+            raise TypeError(f"resume[{r!r}] must be a mapping with 'seq' and 'digest', got {type(cur).__name__}")
+        fields = {}
+        for key in ("seq", "digest"):
+            if key not in cur:
+                raise ValueError(f"resume[{r!r}] has no {key!r}")
+            v = cur[key]
+            if isinstance(v, bool) or not hasattr(v, "__index__"):
+                raise TypeError(f"resume[{r!r}][{key!r}] must be an int, got {type(v).__name__}")
+            v = operator.index(v)
+            if not 0 <= v < (1 << 64):
+                raise ValueError(f"resume[{r!r}][{key!r}] must be in [0, 2**64), got {v}")
+            fields[key] = v
+        out[r] = fields
+    return out
+
+
 __all__ = [
     "END_SEQ",
     "AllBlocksCleared",
@@ -465,5 +535,6 @@ __all__ = [
     "Source",
     "Subscriber",
     "decode",
+    "digest",
     "normalize_hash",
 ]

@@ -23,6 +23,10 @@
 
 namespace kvroute {
 
+namespace applier {
+struct DecodedReplica;  // events_state.hpp
+}  // namespace applier
+
 /// KV-cache groups per replica: events with a group_idx outside [0, kMaxGroups) are skipped.
 inline constexpr std::uint64_t kMaxGroups = 64;
 /// Distinct medium names an applier tells apart; events naming another are skipped.
@@ -98,6 +102,20 @@ public:
     /// Forgets the replica (a resync): maps, blocks in both indexes; salt, counters and the
     /// index's engine block stay.
     void clear_replica(std::int64_t r);
+
+    /// The replica's state (maps, reference counts, own salt, learned sizes, counters) as
+    /// bytes import_replica() takes back (docs/snapshot-format.md, "Applier state").
+    /// ValueError with a tier index: its contents are not part of a snapshot.
+    std::string export_replica(std::int64_t r) const;
+    /// Decodes and checks an export_replica() result for this applier (block size, salt,
+    /// layout); changes nothing. ValueError naming the problem.
+    std::shared_ptr<applier::DecodedReplica> decode_replica(const std::uint8_t* data, std::size_t len) const;
+    /// ValueError unless the media these states name fit, with those known, in kMaxMedia.
+    void check_media(const std::vector<const applier::DecodedReplica*>& states) const;
+    /// Replaces r's state with a decoded one (consumed); the indexes are not touched.
+    void install_replica(std::int64_t r, applier::DecodedReplica& state);
+    /// decode_replica, check_media and install_replica in one call.
+    void import_replica(std::int64_t r, const std::uint8_t* data, std::size_t len);
 
     /// Counters.
     EventApplierStats stats() const;

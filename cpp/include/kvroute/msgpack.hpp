@@ -47,4 +47,7 @@ Item next(const std::uint8_t*& p) noexcept;
 /// Advances p past one whole object. Validated data only.
 void skip(const std::uint8_t*& p) noexcept;
 
+/// Whether s[0, n) is valid UTF-8 (no overlong forms, no surrogates), as Python decodes it.
+bool valid_utf8(const std::uint8_t* s, std::size_t n) noexcept;
+
 }  // namespace kvroute::msgpack

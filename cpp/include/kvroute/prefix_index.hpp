@@ -41,6 +41,15 @@ struct PrefixIndexStats {
     std::uint64_t evictions_dropped = 0; ///< pairs not logged because the log was full
 };
 
+/// One replica's contents as PrefixIndex::export_replica gives them and import_replica takes
+/// them (snapshots): blocks in depth-first preorder from the root, siblings by ascending hash.
+struct ReplicaContents {
+    std::vector<std::uint64_t> hashes;  ///< held blocks and the ancestors their chains hang from
+    std::vector<std::int64_t> parents;  ///< index of each block's parent in hashes; -1 at the root
+    std::vector<std::int64_t> held;     ///< indices of held blocks, least recent first
+    std::vector<double> ages;           ///< seconds since each held block was last touched
+};
+
 /// Compressed radix tree of block hashes with per-replica ownership bitsets.
 class PrefixIndex {
 public:
@@ -106,6 +115,17 @@ public:
     /// r's k (1 unless set).
     std::uint64_t engine_block(std::int64_t r) const;
 
+    /// r's contents; ages relative to max(now, latest time seen), 0 without capacity or
+    /// ttl (then held is in reverse preorder).
+    ReplicaContents export_replica(std::int64_t r, double now) const;
+    /// ValueError naming the first thing import_replica would refuse in c (its shape, or a
+    /// block whose parent differs from the one the index has); changes nothing.
+    void check_import(const ReplicaContents& c) const;
+    /// Replaces r's contents with c (checked as check_import does, first): held blocks are
+    /// refreshed least recent first, last touched age seconds before now; beyond capacity the
+    /// least recent are evicted. Returns the blocks r holds.
+    std::size_t import_replica(std::int64_t r, const ReplicaContents& c, double now);
+
     /// The hashes r holds, sorted ascending.
     std::vector<std::uint64_t> held(std::int64_t r) const;
     /// Number of blocks r holds.
@@ -121,6 +141,7 @@ public:
 
 private:
     void match_locked(const std::uint64_t* hashes, std::size_t n, std::vector<std::int32_t>& out) const;
+    void check_import_locked(const ReplicaContents& c) const;
     struct Impl;
     std::unique_ptr<Impl> impl_;
 };

@@ -63,7 +63,20 @@ struct Decision {
     std::int64_t handle = 0;           ///< for prefill_done() and finish()
 };
 
-/// Load terms of one replica.
+/// Load that other routers (gateways sharing the fleet) put on one replica: the terms a
+/// router adds to its own accounting (Router::set_external_load).
+struct ExternalLoad {
+    std::int64_t in_flight = 0;              ///< their requests routed and not finished
+    std::int64_t queued_prefill_tokens = 0;  ///< their uncached tokens before first token
+    std::int64_t prefill_requests = 0;       ///< their requests before first token
+    std::int64_t prefill_blocks = 0;         ///< uncached blocks of those
+    std::int64_t decode_blocks = 0;          ///< prompt blocks of theirs past first token
+};
+
+/// Largest value of each ExternalLoad term: sums stay far from int64 overflow.
+inline constexpr std::int64_t kMaxExternalLoad = std::int64_t{1} << 40;
+
+/// Load terms of one replica (the counts are own + external).
 struct ReplicaLoad {
     std::int64_t queued_prefill_tokens = 0;  ///< uncached tokens of requests before first token
     std::int64_t in_flight = 0;              ///< requests routed and not finished
@@ -75,6 +88,7 @@ struct ReplicaLoad {
     std::optional<double> kv_usage;          ///< engine-reported KV usage in [0, 1]
     bool healthy = true;                     ///< chosen only while healthy
     bool draining = false;                   ///< chosen only while not draining
+    ExternalLoad external;                   ///< the part of the counts set_external_load() set
 };
 
 /// Router-wide counters.
@@ -100,6 +114,14 @@ struct CacheKeys {
     std::string_view cache_salt;  ///< UTF-8 cache salt; empty: none
     const MmKey* mm = nullptr;    ///< multimodal items, sorted by offset (stable)
     std::size_t mm_count = 0;     ///< how many
+};
+
+/// A session binding as a snapshot holds it (Router::export_sessions / import_sessions).
+struct SessionRecord {
+    std::string key;            ///< session id (UTF-8)
+    std::uint32_t replica = 0;  ///< replica id
+    std::int64_t blocks = 0;    ///< blocks of its last prompt
+    double age = 0;             ///< seconds since its last use
 };
 
 /// Largest num_tokens a request may claim: keeps every load sum far from int64 overflow.
@@ -155,10 +177,33 @@ public:
     /// Sets the given engine-reported figures (already validated).
     void report_load(const std::string& name, std::optional<std::int64_t> waiting,
                      std::optional<std::int64_t> running, std::optional<double> kv_usage);
-    /// Load terms of a replica.
+    /// Load terms of a replica: counts are own + external, `external` the external part.
     ReplicaLoad load(const std::string& name) const;
+    /// Replaces the load other routers put on a replica (KeyError unknown name, ValueError a
+    /// term outside [0, kMaxExternalLoad], naming it; nothing changes on error).
+    void set_external_load(const std::string& name, const ExternalLoad& load);
+    /// Binds (or rebinds) a session to a replica as if this router had routed it there at
+    /// `now` (KeyError unknown name; ValueError an id over max_session_bytes).
+    void bind_session(const std::string& session, const std::string& name, std::optional<double> now);
+    /// The replica a live session is bound to, without refreshing it; nullopt if none.
+    std::optional<std::string> session(const std::string& session, std::optional<double> now) const;
+    /// Another router's route-time insert of n block hashes on replica `name`: approximate
+    /// mode inserts into the index, hybrid into the speculative index, precise does nothing.
+    /// Returns blocks newly held; reserves no load and touches no session or tie order.
+    std::size_t observe_route(const std::string& name, const std::uint64_t* hashes, std::size_t n,
+                              std::optional<double> now);
     /// Counters.
     RouterStats stats() const;
+
+    /// Sessions bound to a live replica and not expired at `now`, least recently used first;
+    /// age = max(0, now - last use). For snapshots.
+    std::vector<SessionRecord> export_sessions(double now) const;
+    /// Drops the sessions bound to `replicas`, then binds each record (least recent first) as
+    /// last used `age` seconds before now unless that has expired or the id is longer than
+    /// max_session_bytes; evicts beyond the table's
+    /// bounds (session_evictions). Record replica ids must be live. Returns records bound.
+    std::size_t import_sessions(const std::vector<std::uint32_t>& replicas, const std::vector<SessionRecord>& sessions,
+                                double now);
 
 private:
     struct Impl;

@@ -16,6 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", required=True,
                    help="server base URL, e.g. http://127.0.0.1:8001 (repeat to compare servers)")
     p.add_argument("--label", action="append", default=None, help="row name per --url (default: the URL)")
+    p.add_argument("--spread", action="store_true",
+                   help="one run whose requests go round-robin over every --url (several gateways, one fleet)")
     p.add_argument("--workload", nargs="+", default=["chat"], metavar="NAME",
                    help="chat (default), shared-prefix, or trace PATH (a Mooncake JSONL trace)")
     load = p.add_mutually_exclusive_group()
@@ -47,7 +49,8 @@ def _workload(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`kvroute bench`: replay the workload against every --url in turn."""
+    """`kvroute bench`: replay the workload against every --url in turn (or, with --spread,
+    once over all of them round-robin)."""
     from . import client, report
 
     labels = args.label or []
@@ -57,11 +60,12 @@ def run(args: argparse.Namespace) -> int:
     scale = 1.0 if args.workload[0] == "trace" else args.time_scale
     runs = []
     summaries = []
-    for i, url in enumerate(args.url):
+    targets = [(args.url[0], tuple(args.url[1:]))] if args.spread else [(u, ()) for u in args.url]
+    for i, (url, spread) in enumerate(targets):
         cfg = client.BenchConfig(url=url, api=args.api, model=args.model, rate=args.rate,
                                  concurrency=args.concurrency, requests=args.requests, duration=args.duration,
-                                 time_scale=scale, seed=args.seed, timeout=args.timeout)
-        label = labels[i] if i < len(labels) else url
+                                 time_scale=scale, seed=args.seed, timeout=args.timeout, spread=spread)
+        label = labels[i] if i < len(labels) else "+".join((url, *spread))
         results, wall = _run_one(cfg, wl, label, args)
         runs.append((label, results))
         summaries.append(report.summarize(label, results, wall))

@@ -49,6 +49,8 @@ class RequestResult:
     cached_tokens: int | None = None
     completion_tokens: int = 0
     error: str | None = None
+    #: Which server got it: 0 for BenchConfig.url, i for spread[i - 1].
+    target: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class BenchConfig:
     time_scale: float = 1.0
     seed: int = 0
     timeout: float = 600.0
+    #: Further base URLs: requests go round-robin over (url, *spread), one after the other
+    #: (several gateways in front of one fleet).
+    spread: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.api not in APIS:
@@ -201,12 +206,13 @@ async def run(cfg: BenchConfig, wl: Workload,
     results: list[RequestResult] = []
     timeout = aiohttp.ClientTimeout(total=cfg.timeout)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(cfg.url.rstrip("/"), timeout=timeout, connector=connector) as session:
+    bases = [u.rstrip("/") for u in (cfg.url, *cfg.spread)]
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         if cfg.model is None:
-            cfg = _with_model(cfg, await _served_model(session))
+            cfg = _with_model(cfg, await _served_model(session, bases[0]))
         t0 = time.perf_counter()
         deadline = t0 + cfg.duration if cfg.duration else math.inf
-        state = {"started": 0}
+        state = {"started": 0, "sent": 0}
 
         def may_start() -> bool:
             if state["started"] >= total or time.perf_counter() >= deadline:
@@ -215,7 +221,11 @@ async def run(cfg: BenchConfig, wl: Workload,
             return True
 
         async def send(c: int, k: int, messages: list[dict[str, str]] | None = None) -> str | None:
-            res, answer = await _one(session, cfg, path, wl.clients[c].turns[k], wl, c, k, t0, messages)
+            target = state["sent"] % len(bases)
+            state["sent"] += 1
+            res, answer = await _one(session, cfg, bases[target] + path, wl.clients[c].turns[k], wl, c, k, t0,
+                                     messages)
+            res.target = target
             results.append(res)
             if progress is not None:
                 progress(len(results), total)
@@ -238,10 +248,10 @@ def _with_model(cfg: BenchConfig, model: str | None) -> BenchConfig:
     return replace(cfg, model=model)
 
 
-async def _served_model(session: Any) -> str | None:
+async def _served_model(session: Any, base: str) -> str | None:
     """The first model /v1/models lists (None when the server does not say)."""
     try:
-        async with session.get("/v1/models") as resp:
+        async with session.get(base + "/v1/models") as resp:
             if resp.status == 200:
                 data = (await resp.json()).get("data") or []
                 return data[0]["id"] if data else None

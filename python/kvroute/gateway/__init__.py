@@ -6,7 +6,8 @@
 Modules: config (TOML + flags), app (ASGI routes, lifespan, scrape and health loops),
 proxy (tokens -> route -> upstream, streaming, retries, lifecycle), prompt (request bodies
 to token ids and cache keys), fleet (replicas, breakers, subscribers), breaker, load
-(/metrics and /v1/models parsing), metrics (Prometheus), admin (/kvroute/replicas).
+(/metrics and /v1/models parsing), metrics (Prometheus), admin (/kvroute/replicas),
+state (what several gateways share: local, or Redis with --state), snapshots (--state-dir).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ and `kvroute bench`).
 Routes: POST /v1/chat/completions, POST /v1/completions (proxy.py), GET /v1/models (the
 union of the replicas'), GET /health, GET /metrics, /kvroute/replicas (admin.py),
 GET /kvroute/diagnostics (kvroute.diagnose.Diagnostics: miss-ratio curves, volatile
-prefixes, cold/warm TTFT of the traffic routed so far).
+prefixes, cold/warm TTFT of the traffic routed so far), GET /kvroute/state (the shared
+state's link and counters, the snapshots').
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from .load import parse_load, parse_models
 from .metrics import GatewayMetrics
 from .prompt import LocalTokens, chat_request, completion_prompt
 from .proxy import Proxy, UpstreamError
+from .snapshots import Snapshots
+from .state import make_state
 
 log = logging.getLogger("kvroute.gateway")
 INDEX_CAPACITY = 1 << 20
@@ -114,8 +117,18 @@ class Gateway:
         self.http: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         for spec in config.replicas:
-            self.fleet.add(spec)
+            self.fleet.add(spec, follow=False)
             self.diagnostics.add_replica(spec.name)
+        self.snapshots = None if config.state_dir is None else Snapshots(
+            self.router, self.fleet, config.state_dir, config.snapshot_interval)
+        # Restore before any subscriber runs, then follow each engine from its saved cursor.
+        cursors = self.snapshots.restore() if self.snapshots is not None else {}
+        for rep in self.fleet.replicas.values():
+            self.fleet.follow(rep, cursors.get(rep.spec.name))
+        self.state = make_state(config.state, self.router, self.metrics, prefix=config.state_prefix,
+                                timeout=config.state_timeout, load_interval=config.state_load_interval,
+                                load_ttl=config.state_load_ttl, session_ttl=rc.session_ttl)
+        self.proxy.state = self.state
         self._routes = {
             ("POST", "/v1/chat/completions"): lambda s, r, w: self.proxy.handle("chat", "/v1/chat/completions", s, r, w),
             ("POST", "/v1/completions"): lambda s, r, w: self.proxy.handle("completion", "/v1/completions", s, r, w),
@@ -123,6 +136,7 @@ class Gateway:
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
             ("GET", "/kvroute/diagnostics"): self._diagnostics,
+            ("GET", "/kvroute/state"): self._state,
         }
 
     @staticmethod
@@ -173,16 +187,24 @@ class Gateway:
         if isinstance(self.tokens, EngineTokens):
             self.tokens.http = self.http
         self._tasks = [asyncio.ensure_future(self._scrape_loop()), asyncio.ensure_future(self._health_loop())]
+        if self.snapshots is not None:
+            self._tasks.append(asyncio.ensure_future(self.snapshots.run()))
+        await self.state.start()
 
     async def stop(self) -> None:
-        """Stop the loops, close the pool and the subscribers (uvicorn has drained requests)."""
+        """Stop the loops and the sharing, close the pool, stop the subscribers, write the
+        last snapshot (uvicorn has drained requests)."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.state.stop()
         if self.http is not None:
             await self.http.close()
             self.http = None
+        self.fleet.stop_following()
+        if self.snapshots is not None:
+            await self.snapshots.save()
         self.fleet.close()
         if self._log_file not in (None, sys.stderr):
             self._log_file.close()
@@ -260,6 +282,9 @@ class Gateway:
             _sync(self.metrics.tokenizer_encoded, st.encoded_tokens)
         await respond(send, 200, self.metrics.render(), [(b"content-type", b"text/plain; version=0.0.4")])
 
+    async def _state(self, scope: Scope, receive: Receive, send: Send) -> None:
+        snaps = None if self.snapshots is None else self.snapshots.status()
+        await respond(send, 200, {"state": self.state.status(), "snapshots": snaps})
 
     async def _diagnostics(self, scope: Scope, receive: Receive, send: Send) -> None:
         live = set(self.fleet.replicas)

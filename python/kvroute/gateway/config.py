@@ -85,7 +85,11 @@ class GatewayConfig:
     the built-in byte tokenizer, "engine" for the engines' /tokenize, else a Hugging Face
     tokenizer folder. Times in seconds. retries: re-routes after a failure before any byte
     reached the client (the issue asks for one). lora_models: model names that are LoRA
-    adapters (also learned from /v1/models entries with a "parent").
+    adapters (also learned from /v1/models entries with a "parent"). state: None (or
+    "local") shares nothing; redis://host:port/db shares sessions, load and route-time
+    inserts with the other gateways on that Redis (kvroute.gateway.state); state_timeout
+    bounds every Redis command. state_dir: where the router is snapshotted every
+    snapshot_interval seconds and at shutdown, and restored from at start.
     """
 
     replicas: tuple[ReplicaSpec, ...] = ()
@@ -111,6 +115,13 @@ class GatewayConfig:
     lora_models: tuple[str, ...] = ()
     decision_log: str | None = None
     log_level: str = "warning"
+    state: str | None = None
+    state_timeout: float = 0.05
+    state_prefix: str = "kvroute"
+    state_load_interval: float = 0.1
+    state_load_ttl: float = 2.0
+    state_dir: str | None = None
+    snapshot_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_PARAMS:
@@ -120,7 +131,8 @@ class GatewayConfig:
         if not 0 < self.port < 65536 and self.port != 0:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         for key in ("scrape_interval", "health_interval", "connect_timeout", "first_byte_timeout",
-                    "read_timeout", "breaker_backoff", "breaker_max_backoff"):
+                    "read_timeout", "breaker_backoff", "breaker_max_backoff", "state_timeout",
+                    "state_load_interval", "state_load_ttl", "snapshot_interval"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)!r}")
         if self.retries < 0 or self.max_sessions < 1:
@@ -130,6 +142,11 @@ class GatewayConfig:
             raise ValueError(f"replica names must be unique, got {names}")
         if not self.session_header:
             raise ValueError("session_header must not be empty")
+        if self.state is not None and self.state != "local" and not self.state.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"state must be 'local' or redis://host:port/db, got {self.state!r}")
+        if self.state_load_ttl <= self.state_load_interval:
+            raise ValueError("state_load_ttl must exceed state_load_interval")
 
     @property
     def routing_mode(self) -> str:
@@ -185,6 +202,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--lora-models", help="comma-separated model names that are LoRA adapters")
     a("--decision-log", metavar="PATH", help="a JSON line per decision ('-' for stderr)")
     a("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    a("--state", metavar="redis://HOST:PORT/DB", help="share sessions, load and route-time inserts with the "
+      "other gateways through this Redis (default: local, nothing shared)")
+    a("--state-timeout", type=float, help="longest wait on Redis, per command (default 0.05 s)")
+    a("--state-prefix", help="Redis key prefix shared by the gateways of one fleet (default kvroute)")
+    a("--state-load-interval", type=float, help="seconds between load exchanges (default 0.1)")
+    a("--state-load-ttl", type=float, help="a gateway's load record expires after this (default 2 s)")
+    a("--state-dir", metavar="DIR", help="snapshot the router here periodically and at shutdown; restore at start")
+    a("--snapshot-interval", type=float, help="seconds between snapshots with --state-dir (default 30)")
 
 
 def from_args(args: argparse.Namespace) -> GatewayConfig:

@@ -54,9 +54,16 @@ class Fleet:
         self.metrics = metrics
         self.replicas: dict[str, Replica] = {}
         self.lora_models: frozenset[str] = frozenset(config.lora_models)
+        # One EventApplier for every subscriber (precise/hybrid), so a snapshot saves its maps at once.
+        self.applier: Any = None
+        if router.config.mode != "approximate":
+            from ..events import EventApplier
 
-    def add(self, spec: ReplicaSpec) -> Replica:
-        """Add a replica (and follow its events in precise/hybrid mode); ValueError if the name exists."""
+            self.applier = EventApplier(router.index, router.config.block_size, salt=config.salt)
+
+    def add(self, spec: ReplicaSpec, *, follow: bool = True) -> Replica:
+        """Add a replica (and, with follow, its events in precise/hybrid mode: see `follow`);
+        ValueError if the name exists."""
         if spec.name in self.replicas:
             raise ValueError(f"replica '{spec.name}' already exists")
         mode = self.router.config.mode
@@ -67,28 +74,49 @@ class Fleet:
                       # after speculative_ttl, too soon for a replica with no events at all
                       record_routes=mode != "approximate" and spec.events is None)
         rep.metrics.breaker_state(CLOSED)
-        if spec.events is not None and mode != "approximate":
+        self.replicas[spec.name] = rep
+        if follow:
             try:
-                rep.subscriber = self._subscribe(rid, spec)
+                self.follow(rep)
             except Exception:
+                del self.replicas[spec.name]
                 self.router.remove_replica(spec.name)
                 self.metrics.forget(spec.name)
                 raise
-        self.replicas[spec.name] = rep
         return rep
 
-    def _subscribe(self, rid: int, spec: ReplicaSpec) -> Any:
-        from ..events import EventApplier, Source, Subscriber
+    def follow(self, rep: Replica, resume: dict[str, int] | None = None) -> None:
+        """Start following a replica's KV events (precise/hybrid mode and events=); `resume`
+        ({"seq", "digest"} of the last batch a restored snapshot holds) replays from there
+        (contract C8) instead of taking the engine's state as unknown."""
+        if rep.spec.events is None or self.router.config.mode == "approximate" or rep.subscriber is not None:
+            return
+        rep.subscriber = self._subscribe(rep.id, rep.spec, resume)
 
-        assert spec.events is not None
-        applier = EventApplier(self.router.index, self.router.config.block_size, salt=self.config.salt)
-        return Subscriber(applier, [Source(rid, spec.events, replay_endpoint=spec.replay)]).start()
+    def _subscribe(self, rid: int, spec: ReplicaSpec, resume: dict[str, int] | None) -> Any:
+        from ..events import Source, Subscriber
+
+        assert spec.events is not None and self.applier is not None
+        kw = {} if resume is None else {"resume": {rid: dict(resume)}}
+        return Subscriber(self.applier, [Source(rid, spec.events, replay_endpoint=spec.replay)], **kw).start()
+
+    def cursors(self) -> dict[str, dict[str, int]]:
+        """{replica name: {"seq", "digest"}} of the last batch applied per followed replica."""
+        out = {}
+        for name, rep in list(self.replicas.items()):
+            if rep.subscriber is not None:
+                cur = rep.subscriber.cursors().get(rep.id)
+                if cur is not None:
+                    out[name] = {"seq": int(cur["seq"]), "digest": int(cur["digest"])}
+        return out
 
     def remove(self, name: str) -> None:
         """Remove a replica: its subscriber stops, its index blocks and in-flight accounting go."""
         rep = self.get(name)
         if rep.subscriber is not None:
             rep.subscriber.stop()
+        if self.applier is not None:
+            self.applier.clear_replica(rep.id)
         self.router.remove_replica(name)
         del self.replicas[name]
         self.metrics.forget(name)
@@ -162,9 +190,14 @@ class Fleet:
             "events_status": events, "models": [m["id"] for m in rep.models],
         }
 
-    def close(self) -> None:
-        """Stop every subscriber."""
+    def stop_following(self) -> None:
+        """Stop every subscriber (their cursors stay readable, for the last snapshot)."""
         for rep in self.replicas.values():
             if rep.subscriber is not None:
                 rep.subscriber.stop()
-                rep.subscriber = None
+
+    def close(self) -> None:
+        """Stop every subscriber and let go of them."""
+        self.stop_following()
+        for rep in self.replicas.values():
+            rep.subscriber = None

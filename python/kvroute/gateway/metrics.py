@@ -81,6 +81,27 @@ class GatewayMetrics:
         self._replicas: dict[str, ReplicaMetrics] = {}
         r.register(_EventsCollector(events_status or (lambda: ()), self._replicas))
 
+    def enable_state(self) -> None:
+        """Register the shared-state series (--state redis://): link health, errors, drops,
+        peers, staleness. Called once by the Redis backend; a local gateway has none."""
+        if hasattr(self, "state_up"):
+            return
+        r = self.registry
+        self.state_up = Gauge("kvroute_state_redis_up", "1 while the shared-state Redis answers (0: going on "
+                              "with local state)", registry=r)
+        self.state_errors = Counter("kvroute_state_redis_errors", "Redis commands that failed or timed out, by "
+                                    "operation", ["op"], registry=r)
+        self.state_outages = Counter("kvroute_state_redis_outages", "Times the Redis link went down", registry=r)
+        self.state_dropped = Counter("kvroute_state_dropped_writes", "Session and route writes not shared "
+                                     "(Redis down, failed or queue full)", registry=r)
+        self.state_peers = Gauge("kvroute_state_peers", "Other gateways whose load record is live", registry=r)
+        self.state_load_age = Gauge("kvroute_state_load_age_seconds", "Age of the oldest live peer load record "
+                                    "at the last read", registry=r)
+        self.state_route_delay = Histogram("kvroute_state_route_delay_seconds", "Another gateway's route-time "
+                                           "insert: Redis stream entry time to applied here", registry=r,
+                                           buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                                                    1.0))
+
     def replica(self, name: str) -> ReplicaMetrics:
         """The children of one replica (created on first use)."""
         m = self._replicas.get(name)

@@ -24,6 +24,7 @@ from .asgi import HTTPError, Receive, Scope, Send, decode_json, read_body, respo
 from .fleet import Fleet, Replica, hash_prompt
 from .metrics import GatewayMetrics
 from .prompt import BadRequest, Prompt, build_prompt, session_of
+from .state import LocalState, SharedState
 
 _HOP = frozenset({b"host", b"content-length", b"connection", b"keep-alive", b"transfer-encoding", b"te",
                   b"trailer", b"upgrade", b"proxy-authorization", b"proxy-authenticate", b"expect"})
@@ -68,6 +69,7 @@ class Proxy:
         self.decision_log = decision_log
         self.diagnostics = diagnostics  # kvroute.diagnose.Diagnostics, fed after each response
         self.http: aiohttp.ClientSession | None = None
+        self.state: SharedState = LocalState()  # the Gateway sets the --state backend
 
     # -- entry ---------------------------------------------------------------------------------
 
@@ -143,6 +145,7 @@ class Proxy:
             raise HTTPError(503, f"replica {d.replica} is gone")
         if rep.record_routes:
             self.router.index.insert(rep.id, hashes)
+        self.state.routed(prompt.session, d.replica, hashes)
         rep.in_flight += 1
         rep.metrics.in_flight.inc()
         rep.metrics.request(d.reason)
@@ -195,6 +198,8 @@ class Proxy:
         self.metrics.stage["tokenize"].observe(timing[0])
         self.metrics.stage["hash"].observe(timing[1])
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"] if k not in _HOP]
+        if prompt.session:  # another gateway may have bound it (bounded wait; none while Redis is down)
+            await self.state.before_route(prompt.session)
         try:
             flight = self._route(prompt, hashes)
         except HTTPError as e:

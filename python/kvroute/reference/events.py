@@ -656,6 +656,42 @@ class EventApplier:
             st = self._state(r)
             self._clear(r, st)
 
+    def export_replica(self, replica: int) -> bytes:
+        """The replica's state (maps per KV-cache group, reference counts, own salt, learned
+        engine block size, counters) as bytes that import_replica() takes back, for snapshots
+        (layout: docs/snapshot-format.md, "Applier state"). Refused (ValueError) with a
+        tier_index: the tier index's contents are not part of a snapshot."""
+        from . import events_state
+
+        with self._lock:
+            r = self._check_replica(replica)
+            self._refuse_tier()
+            return events_state.encode(self, r)
+
+    def import_replica(self, replica: int, state: bytes) -> None:
+        """Replace the replica's state with an export_replica() result, so that later events
+        (removals of blocks stored before the export included) apply as they would have.
+        The index is not touched: restore its contents (PrefixIndex.import_replica) and
+        engine block with it. ValueError, nothing changed, when `state` is cut short,
+        malformed, or written for another block size or salt, or with a tier_index."""
+        from . import events_state
+
+        with self._lock:
+            r = self._check_replica(replica, mutating=True)
+            if not isinstance(state, (bytes, bytearray, memoryview)):
+                raise TypeError(f"state must be bytes, got {type(state).__name__}")
+            self._refuse_tier()
+            decoded = events_state.decode(bytes(state), self._block_size, self._salt)
+            known = self._media | set(decoded["media"])
+            if len(known) > MAX_MEDIA:
+                raise ValueError(f"applier state names too many media: an applier tells at most {MAX_MEDIA} apart")
+            events_state.install(self, r, decoded)
+
+    def _refuse_tier(self) -> None:
+        if self._tier is not None:
+            raise ValueError("an applier with a tier_index cannot be exported or imported "
+                             "(the tier index is not part of a snapshot)")
+
     def stats(self) -> dict[str, Any]:
         """Counters over all replicas: batches, events, ignored_events (unknown types),
         stored_blocks, duplicate_stores, removed_blocks, unknown_removals, unknown_parents,

@@ -463,6 +463,122 @@ class PrefixIndex:
                     if any(a > b for a, b in zip(stamps, stamps[1:])):
                         _broken(f"LRU list of replica {r} is not in time order")
 
+    # -- export / import (snapshots) ------------------------------------------------------
+
+    def export_replica(self, replica: int, now: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The replica's contents as (hashes, parents, held, ages), for snapshots.
+
+        hashes (uint64): every block the replica holds plus the ancestors its chains hang
+        from (held by others, or placeholders), in depth-first preorder from the root with
+        siblings by ascending hash; parents (int64): index of each block's parent in hashes,
+        -1 at the root; held (int64): indices of the blocks it holds, least recent first
+        (without capacity or ttl: reverse preorder); ages (float64): seconds since each was
+        last touched, relative to max(now, latest time seen) (0.0 without capacity or ttl).
+        """
+        with self._lock:
+            r = self._replica(replica)
+            t = max(_now(now), self._clock)
+            order = self._preorder(1 << r)
+            pos = {h: i for i, h in enumerate(order)}
+            blocks = self._blocks
+            parents = [-1 if blocks[h].parent is None else pos[blocks[h].parent] for h in order]
+            if self._tracks:
+                pairs = [(pos[h], t - stamp) for h, stamp in self._lru[r].items()]
+            else:
+                bit = 1 << r
+                pairs = [(i, 0.0) for i in range(len(order) - 1, -1, -1) if blocks[order[i]].owners & bit]
+            return (
+                np.array(order, dtype=np.uint64),
+                np.array(parents, dtype=np.int64),
+                np.array([i for i, _ in pairs], dtype=np.int64),
+                np.array([a for _, a in pairs], dtype=np.float64),
+            )
+
+    def import_replica(self, replica: int, hashes: Any, parents: Any, held: Any, ages: Any,
+                       now: float | None = None) -> int:
+        """Replace the replica's contents with an export_replica() result; returns blocks held.
+
+        Blocks of `held` are refreshed in that order (least recent first), each last touched
+        `age` seconds before now; beyond `capacity` the least recent are evicted (counted).
+        Everything is checked first (ValueError naming the problem, index unchanged): shapes,
+        parents before children, no repeated hash or held index, finite ages >= 0 that never
+        increase along held, and every block's parent equal to the one the index already has
+        for that hash (checked against the index before the replica's blocks are dropped).
+        """
+        with self._lock:
+            r = self._replica(replica)
+            hs, ps, hd, ag = _import_arrays(hashes, parents, held, ages)
+            t = _now(now)
+            self._check_contents(hs, ps, hd, ag)
+            self._drop_all(r)
+            self._load(r, hs, ps, hd, ag, self._advance(t))
+            return self._count[r]
+
+    def _check_contents(self, hs: list[int], ps: list[int], hd: list[int], ag: list[float]) -> None:
+        """ValueError naming the first thing import_replica refuses: the shape of an export,
+        or a block whose parent differs from the one the index already has."""
+        with self._lock:
+            _check_import(hs, ps, hd, ag)
+            blocks = self._blocks
+            for i, h in enumerate(hs):
+                b = blocks.get(h)
+                want = None if ps[i] < 0 else hs[ps[i]]
+                if b is not None and b.parent != want:
+                    raise ValueError(f"block 0x{h:016x} at index {i} is already in the index under a different parent")
+
+    def _preorder(self, bit: int) -> list[int]:
+        """Blocks held under `bit` and their ancestors, depth first, siblings by hash."""
+        blocks = self._blocks
+        need: set[int] = set()
+        for h, b in blocks.items():
+            if not b.owners & bit:
+                continue
+            x: int | None = h
+            while x is not None and x not in need:
+                need.add(x)
+                x = blocks[x].parent
+        children: dict[int | None, list[int]] = {}
+        for h in need:
+            children.setdefault(blocks[h].parent, []).append(h)
+        stack = sorted(children.get(None, ()), reverse=True)
+        out: list[int] = []
+        while stack:
+            h = stack.pop()
+            out.append(h)
+            stack.extend(sorted(children.get(h, ()), reverse=True))
+        return out
+
+    def _load(self, r: int, hs: list[int], ps: list[int], hd: list[int], ag: list[float], t: float) -> None:
+        blocks = self._blocks
+        for i, h in enumerate(hs):
+            if h not in blocks:
+                parent = None if ps[i] < 0 else hs[ps[i]]
+                blocks[h] = _Block(parent)
+                if parent is not None:
+                    blocks[parent].children += 1
+        bit = 1 << r
+        for j in hd:
+            b = blocks[hs[j]]
+            if not b.owners:
+                self._held_blocks += 1
+            b.owners |= bit
+        self._count[r] += len(hd)
+        self._held_pairs += len(hd)
+        for h in reversed(hs):  # blocks no chain needs (a hand-made export) go again
+            b = blocks.get(h)
+            if b is not None and not b.owners and not b.children:
+                self._prune(h, b)
+        if not self._tracks:
+            return
+        od = self._lru[r]
+        for j, age in zip(hd, ag):
+            od[hs[j]] = t - age
+        while self._capacity is not None and self._count[r] > self._capacity:
+            h, _ = od.popitem(last=False)
+            self._drop(r, h, blocks[h])
+            self._log_pair(r, h)
+            self._evictions += 1
+
     def __repr__(self) -> str:
         return f"PrefixIndex(num_replicas={self._num}, blocks={self._held_blocks})"
 
@@ -612,3 +728,46 @@ def _is_integer(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _import_arrays(hashes: Any, parents: Any, held: Any, ages: Any) -> tuple[list[int], list[int], list[int], list[float]]:
+    """import_replica's arrays as lists: hashes as hashes, parents and held as int64, ages
+    as float64 (numpy's own conversion errors), each 1-D."""
+    hs = as_hashes(hashes).tolist()
+    out: list[Any] = [hs]
+    for name, value, dtype in (("parents", parents, np.int64), ("held", held, np.int64), ("ages", ages, np.float64)):
+        if isinstance(value, np.ndarray):
+            refuse_masked(value, name)
+        arr = np.asarray(value, dtype=dtype)
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got a {arr.ndim}-D array")
+        out.append(arr.tolist())
+    return out[0], out[1], out[2], out[3]
+
+
+def _check_import(hs: list[int], ps: list[int], hd: list[int], ag: list[float]) -> None:
+    """ValueError naming the first thing an import cannot take (the shape of an export)."""
+    n = len(hs)
+    if len(ps) != n:
+        raise ValueError(f"parents must have one entry per hash, got {len(ps)} for {n} hashes")
+    if len(ag) != len(hd):
+        raise ValueError(f"ages must have one entry per held block, got {len(ag)} for {len(hd)}")
+    seen: set[int] = set()
+    for i, h in enumerate(hs):
+        if not -1 <= ps[i] < i:
+            raise ValueError(f"parents[{i}] must be -1 or an index below {i}, got {ps[i]}")
+        if h in seen:
+            raise ValueError(f"hash 0x{h:016x} at index {i} is repeated")
+        seen.add(h)
+    taken: set[int] = set()
+    for j, i in enumerate(hd):
+        if not 0 <= i < n:
+            raise ValueError(f"held[{j}] must be an index into hashes, got {i}")
+        if i in taken:
+            raise ValueError(f"held[{j}] repeats index {i}")
+        taken.add(i)
+        a = ag[j]
+        if not (math.isfinite(a) and a >= 0):
+            raise ValueError(f"ages[{j}] must be finite and >= 0")
+        if j and a > ag[j - 1]:
+            raise ValueError(f"ages must not increase along held (least recent first), ages[{j}] > ages[{j - 1}]")

@@ -58,6 +58,8 @@ class View:
 
     match: blocks each replica is scored as holding (index, speculative and pending match,
     rounded down to whole engine blocks, 0 when shorter than min_match_tokens).
+    inflight, queued, prefill_requests, prefill_blocks, decode_blocks: the router's own
+    accounting plus the external load other routers reported (Router.set_external_load).
     """
 
     hashes: list[int]

@@ -10,6 +10,10 @@ API (the contract the simulator and gateways code against):
     .route_hashes(hashes, num_tokens, *, session=None, now=None) -> Decision
     .prefill_done(handle, now=None); .finish(handle, now=None)
     .report_load(name, *, waiting=None, running=None, kv_usage=None); .load(name) -> dict
+    .set_external_load(name, *, in_flight=0, queued_prefill_tokens=0, prefill_requests=0,
+                       prefill_blocks=0, decode_blocks=0)
+    .bind_session(session, name, *, now=None); .session(session, *, now=None) -> str | None
+    .observe_route(name, hashes, *, now=None) -> int
     .index -> PrefixIndex; .speculative_index -> PrefixIndex | None (hybrid); .stats() -> dict
 
 The config is kvroute.config.validated(config): RouterConfig's checks hold whatever object
@@ -46,6 +50,29 @@ counters saturate at 2**63 - 1); requests in flight expire after request_ttl; th
 table holds at most max_sessions ids of at most max_session_bytes UTF-8 bytes in all (a
 longer single id is a ValueError).
 
+Several routers, one fleet (gateways running active-active): each router accounts only the
+requests it routed itself ("own" load); set_external_load(name, ...) replaces the load the
+OTHER routers put on a replica (in_flight, queued_prefill_tokens, prefill_requests,
+prefill_blocks, decode_blocks: ints in [0, 2**40], KeyError for an unknown replica,
+TypeError for a non-int or bool, ValueError naming the field when out of range; on any
+error nothing changes). Every load term any policy or the session saturation rule reads is
+own + external, and load(name) reports those sums under its usual keys, with the two parts
+under "own" (what a router publishes to the others) and "external". Removing a replica
+drops its external load with the rest of its accounting. External load is a figure, not
+requests: prefill_done/finish never touch it, and ttft's pending cache holds only the
+router's own requests. bind_session(session, name) binds a session as if this router had
+routed it to `name` (another router did): sliding TTL from `now`, the session table's
+bounds apply, its block count is kept when it stays on the same replica and is 0
+otherwise; no decision is counted. session(session) reads the binding without refreshing
+it: the replica's name, or None when unbound, expired or the replica was removed since.
+observe_route(name, hashes) applies another router's route-time insert: in approximate
+mode the chain goes into the index under `name`, in hybrid into the speculative index
+(speculative_ttl), after the same index TTL housekeeping a route does; it returns the
+blocks newly held, raises what route's insert raises (a chain that contradicts the index:
+nothing changes) and reserves no load, touches no session, tie order or generator. In
+precise mode the index follows the engines' events, which every router subscribes to, so
+there is nothing to share: observe_route validates its arguments and returns 0.
+
 Stranded blocks: a rebound session reports the block count of its last prompt on its
 previous replica (the KV work it leaves behind), even when that replica was removed.
 
@@ -78,6 +105,11 @@ _I64_MAX = (1 << 63) - 1
 MAX_PROMPT_TOKENS = (1 << 32) - 1
 #: Largest engine_block_size add_replica() accepts (tokens).
 MAX_ENGINE_BLOCK_SIZE = 1 << 20
+#: Largest value of each set_external_load() term (2**40): sums stay far from overflow.
+MAX_EXTERNAL_LOAD = 1 << 40
+#: The load terms set_external_load() takes, in its keyword order (and load()'s "own"/"external").
+LOAD_TERMS = ("in_flight", "queued_prefill_tokens", "prefill_requests", "prefill_blocks", "decode_blocks")
+_NO_LOAD = (0, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -185,6 +217,22 @@ def _num_tokens(value: Any) -> int:
     return v
 
 
+def _external(what: str, value: Any) -> int:
+    v = _int(what, value)
+    if not 0 <= v <= MAX_EXTERNAL_LOAD:
+        raise ValueError(f"{what} must be in [0, 2**40], got {v}")
+    return v
+
+
+def _session_id(session: Any, limit: int) -> str:
+    if not isinstance(session, str):
+        raise TypeError(f"session must be a str, got {type(session).__name__}")
+    size = len(_text("session", session).encode("utf-8"))
+    if size > limit:
+        raise ValueError(f"session must be at most {limit} bytes (max_session_bytes), got {size}")
+    return session
+
+
 def _engine_block_size(value: Any) -> int | None:
     if value is None:
         return None
@@ -234,6 +282,9 @@ class Router:
         self._waiting: list[int | None] = []
         self._running: list[int | None] = []
         self._kv: list[float | None] = []
+        # The five load lists above hold own + external (what policies read); _ext holds the
+        # external part, as set_external_load() last set it (LOAD_TERMS order).
+        self._ext: list[tuple[int, ...]] = []
         self._chosen_once: list[bool] = []
         self._recency: list[int] = []  # live replicas, least recently chosen first
         self._requests: dict[int, _Request] = {}  # insertion (= handle = routing) order
@@ -382,9 +433,12 @@ class Router:
                 self._kv[r] = k
 
     def load(self, name: str) -> dict[str, Any]:
-        """A replica's load terms: the router's own accounting plus reported figures."""
+        """A replica's load terms (own + external), reported figures and flags; "own": the
+        requests this router routed there, "external": what set_external_load() set."""
         with self._lock:
             r = self._lookup(name)
+            ext = self._ext[r]
+            totals = [arr[r] for arr in self._load_lists()]
             return {
                 "queued_prefill_tokens": self._queued[r],
                 "in_flight": self._inflight[r],
@@ -397,7 +451,70 @@ class Router:
                 "kv_usage": self._kv[r],
                 "healthy": self._healthy[r],
                 "draining": self._draining[r],
+                "own": {k: t - e for k, t, e in zip(LOAD_TERMS, totals, ext)},
+                "external": dict(zip(LOAD_TERMS, ext)),
             }
+
+    def set_external_load(
+        self,
+        name: str,
+        *,
+        in_flight: int = 0,
+        queued_prefill_tokens: int = 0,
+        prefill_requests: int = 0,
+        prefill_blocks: int = 0,
+        decode_blocks: int = 0,
+    ) -> None:
+        """Replace the load other routers put on a replica (each term an int in [0, 2**40]);
+        every policy then sees own + external."""
+        with self._lock:
+            r = self._lookup(name)
+            given = (in_flight, queued_prefill_tokens, prefill_requests, prefill_blocks, decode_blocks)
+            new = tuple(_external(k, v) for k, v in zip(LOAD_TERMS, given))
+            for arr, n, o in zip(self._load_lists(), new, self._ext[r]):
+                arr[r] += n - o
+            self._ext[r] = new
+
+    def bind_session(self, session: str, name: str, *, now: float | None = None) -> None:
+        """Bind (or rebind) a session to a replica as if this router had routed it there:
+        sliding TTL from now, within the session table's bounds."""
+        key = _session_id(session, self._cfg.max_session_bytes)
+        with self._lock:
+            r = self._lookup(name)
+            t = time.monotonic() if now is None else _now(now)
+            entry = self._sessions.get(key)
+            expired = entry is not None and entry.last_seen + self._cfg.session_ttl <= t
+            same = entry is not None and not expired and entry.replica == r and entry.gen == self._gen[r]
+            blocks = entry.blocks if same and entry is not None else 0
+            self._update_session(key, _Picked(r, "", "", 0, expired), r, blocks, t)
+
+    def session(self, session: str, *, now: float | None = None) -> str | None:
+        """The replica a session is bound to, or None (unbound, expired, replica removed);
+        the TTL is not refreshed."""
+        key = _session_id(session, self._cfg.max_session_bytes)
+        with self._lock:
+            t = time.monotonic() if now is None else _now(now)
+            entry = self._sessions.get(key)
+            if entry is None or entry.last_seen + self._cfg.session_ttl <= t:
+                return None
+            if self._names[entry.replica] is None or self._gen[entry.replica] != entry.gen:
+                return None
+            return self._names[entry.replica]
+
+    def observe_route(self, name: str, hashes: Any, *, now: float | None = None) -> int:
+        """Another router routed a prompt with these block hashes to `name`: insert them as
+        this router's own route would (approximate: index, hybrid: speculative index;
+        precise: nothing, 0). Returns blocks newly held; no load, session or tie change."""
+        with self._lock:
+            r = self._lookup(name)
+            hs = as_hashes(hashes)
+            t = time.monotonic() if now is None else _now(now)
+            if self._cfg.mode == "precise":
+                return 0
+            self._expire_indexes(t)
+            if self._spec is not None:
+                return self._spec.insert(r, hs, t)
+            return self._index.insert(r, hs, t)
 
     def stats(self) -> dict[str, Any]:
         """Counters: decisions, tokens, rebinds, sessions (and their id bytes), requests in
@@ -467,6 +584,61 @@ class Router:
 
     # -- internals --------------------------------------------------------------------------
 
+    # -- snapshots (kvroute.reference.snapshot, docs/snapshot-format.md) ---------------------
+
+    def snapshot(self, path: Any, *, applier: Any = None, cursors: Any = None, now: float | None = None) -> dict[str, Any]:
+        """Write the index contents, engine blocks, sessions, `cursors` ({replica name:
+        {"seq", "digest"}}, passed through) and, with an applier, its per-replica state to
+        `path` atomically (contract C7). Returns {"replicas", "blocks", "sessions", "bytes"}.
+        Hybrid's speculative index and requests in flight are not saved."""
+        from . import snapshot
+
+        return snapshot.snapshot(self, path, applier=applier, cursors=cursors, now=now)
+
+    def restore(self, path: Any, *, applier: Any = None, now: float | None = None) -> dict[str, Any]:
+        """Load a snapshot: replicas missing here are added; each restored replica's index
+        contents, engine block, sessions (and applier state) replace this router's. The whole
+        file is checked first: ValueError naming the problem, nothing changed. Returns
+        {"replicas", "blocks", "sessions", "cursors", "age"} (age: seconds since written)."""
+        from . import snapshot
+
+        return snapshot.restore(self, path, applier=applier, now=now)
+
+    def _export_sessions(self, t: float) -> list[tuple[str, int, int, float]]:
+        """(id, replica id, blocks, age) of the sessions bound to a live replica and not
+        expired at t, least recently used first."""
+        ttl = self._cfg.session_ttl
+        return [
+            (key, s.replica, s.blocks, max(0.0, t - s.last_seen))
+            for key, s in self._sessions.items()
+            if self._names[s.replica] is not None and self._gen[s.replica] == s.gen and s.last_seen + ttl > t
+        ]
+
+    def _import_sessions(self, ids: list[int], records: list[tuple[str, int, int, float]], t: float) -> int:
+        """Drops the sessions bound to `ids`, then binds each record (least recent first) as
+        last used age seconds before t, unless expired or longer than max_session_bytes;
+        evicts beyond the table's bounds."""
+        sessions = self._sessions
+        gone = set(ids)
+        for key in [k for k, s in sessions.items() if s.replica in gone]:
+            del sessions[key]
+            self._session_bytes -= len(key.encode("utf-8"))
+        n = 0
+        for key, r, blocks, age in records:
+            last = t - age
+            # An id longer than this table takes in all would only push every other one out.
+            if not last + self._cfg.session_ttl > t or len(key.encode("utf-8")) > self._cfg.max_session_bytes:
+                continue
+            old = sessions.pop(key, None)
+            if old is not None:
+                self._session_bytes -= len(key.encode("utf-8"))
+            sessions[key] = _Session(r, self._gen[r], blocks, last)
+            self._session_bytes += len(key.encode("utf-8"))
+            n += 1
+        while len(sessions) > self._cfg.max_sessions or self._session_bytes > self._cfg.max_session_bytes:
+            self._drop_oldest_session("session_evictions")
+        return n
+
     def _arrays(self) -> list[tuple[list[Any], Any]]:
         return [
             (self._names, None),
@@ -480,8 +652,13 @@ class Router:
             (self._waiting, None),
             (self._running, None),
             (self._kv, None),
+            (self._ext, _NO_LOAD),
             (self._chosen_once, False),
         ]
+
+    def _load_lists(self) -> list[list[int]]:
+        """The load terms by replica, in LOAD_TERMS order (own + external)."""
+        return [self._inflight, self._queued, self._prefill_reqs, self._prefill_blocks, self._decode_blocks]
 
     def _engine_k(self, size: int | None) -> int:
         if size is None or size <= self._bs:
@@ -543,10 +720,7 @@ class Router:
 
     def _expire(self, t: float) -> None:
         """Time-driven housekeeping: index TTLs and requests never finished."""
-        if self._cfg.index_ttl is not None:
-            self._index.expire(t)
-        if self._spec is not None:
-            self._spec.expire(t)
+        self._expire_indexes(t)
         ttl, requests = self._cfg.request_ttl, self._requests
         while requests:
             h, req = next(iter(requests.items()))
@@ -555,6 +729,12 @@ class Router:
             del requests[h]
             self._release(h, req)
             self._stats["request_expirations"] += 1
+
+    def _expire_indexes(self, t: float) -> None:
+        if self._cfg.index_ttl is not None:
+            self._index.expire(t)
+        if self._spec is not None:
+            self._spec.expire(t)
 
     def _match(self, hashes: np.ndarray, hl: list[int], num_tokens: int, eligible: list[int]) -> tuple[list[int], list[int]]:
         """(matched blocks per replica, what the policy scores)."""

@@ -75,6 +75,12 @@ public:
         for (Slot& s : slots_)
             if (s.used) f(s.key, s.val);
     }
+    /// Calls f(key, value) for every member, read-only.
+    template <class F>
+    void for_each(F&& f) const {
+        for (const Slot& s : slots_)
+            if (s.used) f(s.key, s.val);
+    }
     /// Empties the map but keeps its slots: an engine that cleared its cache refills it.
     void clear() {
         if (size_ == 0) return;
