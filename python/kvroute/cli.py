@@ -229,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--progress", action="store_true", help="show the progress bar even when stderr is not a terminal")
     p_sim.add_argument("--ideal", action=argparse.BooleanOptionalAction, default=True,
                        help="also run the ideal fleet (kvroute.sim.ideal: one shared prefix cache, one central "
-                            "queue) and print each router as a fraction of it (default; it costs about as much "
-                            "CPU as three or four routers: --no-ideal skips it)")
+                            "queue) and print each router as a fraction of it (default; it costs about 1.6 routers' "
+                            "CPU time: --no-ideal skips it)")
     p_sim.add_argument("--scenario", default=None, metavar="KIND@T[+N]",
                        help="deploy@300 (every replica restarts at 300 s) or scale-out@300+2 (2 replicas join): "
                             "hit-rate recovery per router")
