@@ -192,12 +192,12 @@ class _NextUse:
     def push(self, blocks: list[int], hashes: list[int | None]) -> None:
         """These blocks of one request (in position order, with their hashes) entered the
         free queue."""
-        uses, users, lag, stamp = self.uses, self.users, self.lag, self.stamp
+        uses, users, lag = self.uses, self.users, self.lag
         group: list[int] = []
         key = 0.0
         for pos, (b, h) in enumerate(zip(blocks, hashes)):
             lst = uses.get(h) if h is not None else None
-            k = -(lst[0] + lag[users[h][0]]) if lst else -math.inf
+            k = -(lst[0] + lag[users[h][0]]) if lst and h is not None else -math.inf
             if group and k != key:
                 self._group(key, pos - 1, group)
                 group = []
