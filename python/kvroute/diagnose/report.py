@@ -225,7 +225,7 @@ def render_text(d: dict[str, Any]) -> str:
     if sim:
         lines += [f"  {f['replicas']} caches as {f['router']} splits them".ljust(40) + f"{d['split']['at_fleet_cache']:6.1%}",
                   f"  simulated, {f['router']}".ljust(40) + f"{sim['router']['hit_rate']:6.1%}"
-                  f"   ideal fleet {sim['ideal']['hit_rate']:.1%}"]
+                  f"   ideal fleet {sim['ideal']['hit_rate']:.1%} (evicting by next use)"]
     need = ", ".join(f"{float(k):.0%}: {v:,} tokens" if v else f"{float(k):.0%}: -"
                      for k, v in d["pooled_tokens_for"].items())
     lines.append(f"KV memory for a share of the infinite cache's hit rate (one pooled cache): {need}")
