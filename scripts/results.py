@@ -41,7 +41,8 @@ class Case:
     workload: str
     replicas: int
     start: float
-    bisect: int = 2
+    #: The goodput search's relative resolution of the rate factor (kvroute.sim.sweep).
+    tol: float = 0.01
     #: Routers swept here (None: all of --sweep-routers); the rest get the x1 table only.
     only: tuple[str, ...] | None = None
     #: This workload's SLO (None: --slo).
@@ -57,8 +58,7 @@ CASES = {
     # 2 s at 10,000 tokens/s): at a 2 s SLO goodput would measure that floor, not routing.
     "chat": Case("chat", "chat", 8, 0.5, only=LEADERS, slo=4.0),
     "chat-16": Case("chat-16", "chat", 16, 0.5, only=("cache-aware", "preble", "ttft"), slo=4.0),
-    # Cheap runs, and routers one bisection apart at 2 (ttft and sticky): 3 bisections.
-    "shared-prefix": Case("shared-prefix", "shared-prefix", 8, 1.0, 3),
+    "shared-prefix": Case("shared-prefix", "shared-prefix", 8, 1.0),
     "trace": Case("trace", "trace", 8, 0.5, only=LEADERS),
 }
 
@@ -129,7 +129,7 @@ def _goodput_table(sweeps: list[dict[str, Any]], at: dict[str, dict[str, Any]], 
         p90 = report.fmt_seconds(pt["ttft_p90"])
         lines.append("| " + " | ".join([
             sw["router"], f"**{g}**" if sw["goodput"] == best else g,
-            f"x{sw['goodput_scale']:.3g}" if sw["goodput"] else "-",
+            f"x{sw["goodput_scale"]:.4g}" if sw["goodput"] else "-",
             f"**{p90}**" if pt["ttft_p90"] == best_p90 else p90, f"{pt['run']['hit_rate']:.1%}",
             str(len(sw["points"]))]) + " |")
     return "\n".join(lines)
@@ -149,8 +149,8 @@ def _verdict(sweeps: list[dict[str, Any]], at: dict[str, dict[str, Any]], ref_ro
     gs, bs = ours["goodput_scale"], max(s["goodput_scale"] for s in peers)
     # Closed-loop rates differ a little at one factor; the factor is what the sweep resolves.
     word = "HIGHER" if gs > bs + 1e-9 else "TIED (same rate factor)" if abs(gs - bs) <= 1e-9 else "NOT higher"
-    return (f"ttft goodput {g:.3f} req/s (x{gs:.3g}) vs the best peer's {bg:.3f} ({best['router']}, "
-            f"x{bs:.3g}): {word}. At x{ref:.3g} (where "
+    return (f"ttft goodput {g:.3f} req/s (x{gs:.4g}) vs the best peer's {bg:.3f} ({best['router']}, "
+            f"x{bs:.4g}): {word}. At x{ref:.3g} (where "
             f"{ref_router} reaches the SLO) ttft's p90 TTFT is {report.fmt_seconds(at['ttft']['ttft_p90'])} vs the "
             f"best peer's {report.fmt_seconds(at[p90_peer]['ttft_p90'])} ({p90_peer}): "
             f"{'lower' if p_ok else 'NOT lower'}.")
@@ -202,11 +202,11 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
         sweepers = []
         routers = [r for r in routers if store.has(f"{case.key}.run.{r}.1")]
     slo = case.slo if case.slo is not None else args.slo
+    tol = args.tol if args.tol is not None else case.tol
     for r in sweepers:
-        bisect = args.bisect if args.bisect is not None else case.bisect
-        tag = ("" if bisect == 2 else f"b{bisect}.") + ("" if slo == 2.0 else f"slo{slo:g}.")
-        sweeps.append(store.get(f"{case.key}.sweep.{tag}{r}", lambda r=r, b=bisect: _sweep_dict(
-            sim.sweep(wl, r, fleet, slo=slo, start=case.start, bisect=b))))
+        tag = f"tol{tol:g}." + ("" if slo == 2.0 else f"slo{slo:g}.")
+        sweeps.append(store.get(f"{case.key}.sweep.{tag}{r}", lambda r=r: _sweep_dict(
+            sim.sweep(wl, r, fleet, slo=slo, start=case.start, tol=tol))))
         print(f"{case.key} {r}: goodput {sweeps[-1]['goodput']:.3f} ({time.perf_counter() - t0:.0f} s)",
               file=sys.stderr)
 
@@ -241,9 +241,10 @@ def _case(case: Case, args: argparse.Namespace, routers: list[str], sweepers: li
     at = {sw["router"]: run_at(sw["router"], ref_scale) for sw in sweeps}
     return head + [
         f"Goodput: the highest arrival rate with p90 TTFT <= {slo:g} s (a ladder x2 from x{case.start:g}, "
-        f"then {args.bisect if args.bisect is not None else case.bisect} bisections); p90 TTFT of every router at x{ref_scale:.3g}, where the best peer "
+        f"then bisection until the rate factor is resolved within {tol:.0%}); p90 TTFT of every router at x{ref_scale:.3g}, where the best peer "
         f"({ref['router']}) reaches the SLO:", "",
-        f"    {cmd} --routers {','.join(sweepers)} --sweep --sweep-start {case.start:g} --slo {slo:g}", "",
+        f"    {cmd} --routers {','.join(sweepers)} --sweep --sweep-start {case.start:g} --slo {slo:g}"
+        f"{'' if tol == 0.01 else f' --sweep-tol {tol:g}'}", "",
         _goodput_table(sweeps, at, ref_scale), "",
         _verdict(sweeps, at, ref["router"], ref_scale), "",
     ]
@@ -265,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     ap.add_argument("--trace", default=str(DEFAULT_TRACE))
     ap.add_argument("--slo", type=float, default=sim.DEFAULT_SLO)
-    ap.add_argument("--bisect", type=int, default=None, help="bisections per sweep (default: per workload, 2 or 3)")
+    ap.add_argument("--tol", type=float, default=None,
+                    help="relative resolution of each sweep's goodput factor (default: per workload, 0.01)")
     ap.add_argument("--workloads", default=",".join(CASES))
     ap.add_argument("--routers", default=",".join(sim.ALL_ROUTERS))
     ap.add_argument("--sweep-routers", default=",".join(sim.ALL_ROUTERS))
