@@ -129,7 +129,7 @@ def _goodput_table(sweeps: list[dict[str, Any]], at: dict[str, dict[str, Any]], 
         p90 = report.fmt_seconds(pt["ttft_p90"])
         lines.append("| " + " | ".join([
             sw["router"], f"**{g}**" if sw["goodput"] == best else g,
-            f"x{sw["goodput_scale"]:.4g}" if sw["goodput"] else "-",
+            f"x{sw['goodput_scale']:.4g}" if sw["goodput"] else "-",
             f"**{p90}**" if pt["ttft_p90"] == best_p90 else p90, f"{pt['run']['hit_rate']:.1%}",
             str(len(sw["points"]))]) + " |")
     return "\n".join(lines)
