@@ -59,7 +59,9 @@ CASES = {
     "chat": Case("chat", "chat", 8, 0.5, only=LEADERS, slo=4.0),
     "chat-16": Case("chat-16", "chat", 16, 0.5, only=("cache-aware", "preble", "ttft"), slo=4.0),
     "shared-prefix": Case("shared-prefix", "shared-prefix", 8, 1.0),
-    "trace": Case("trace", "trace", 8, 0.5, only=LEADERS),
+    # The trace's p90 TTFT floor is ~2.4 s at any load (x1/128 to x1/2: the slowest 10% are
+    # cold long prompts in their own prefill): a 2 s SLO is met by no policy at any rate.
+    "trace": Case("trace", "trace", 8, 1.0, only=LEADERS, slo=4.0),
 }
 
 BASE_COLUMNS = ("router", "hit rate", "mean TTFT", "p90 TTFT", "p99 TTFT", "TPOT", "throughput", "busiest/mean",
