@@ -317,6 +317,18 @@ def main(argv: list[str] | None = None) -> int:
         "prefill it adds to the fleet (kvroute.config). Measured on chat x0.6 (8 replicas): p90 TTFT 2.75 s "
         "with the FIFO estimate, 2.55 s with the decode terms; a KV-usage penalty (overflow of the reported "
         "usage, 2 or 10 s per unit) measured 2.60 s and is not used.",
+        "- ttft's fleet_weight is 3 (was 1): a miss's extra prefill delays the arrivals that queue behind it, "
+        "several of them near the SLO. Goodput factor (seed 0), fleet_weight 1 -> 3: shared-prefix x8.13 -> "
+        "x10.83 (seeds 1-3: x10.66 -> x12.68, x9.78 -> x11.38, x10.60 -> x12.61; sticky x7.79, x7.26, x8.92); "
+        "chat x0.942 -> x0.968; trace x1.542 both. On chat the gain is within the curve's noise: at x0.9 "
+        "fleet_weight 3 has a higher p90 (3.53 s vs 3.32 s seed 0, 3.52 vs 3.45 s seed 1), still below the "
+        "peers' (llm-d 4.50 s, preble 4.14 s on seed 1).",
+        "- Goodput is searched to a 1% resolution of the rate factor (kvroute.sim.sweep: bisection until the "
+        "lowest failing factor is within 1% of the highest passing one); the earlier 2-3 bisections "
+        "(9-19%) reported ttft tied with sticky on shared-prefix and with three peers on chat. p90 TTFT is "
+        "not monotone in the rate at that resolution (e.g. on chat llm-d has 4.17 s at x0.845 and 4.10 s at "
+        "x0.850, ttft 4.25 s at x0.979 and 4.10 s at x1), so a difference of a few percent between "
+        "routers is within noise.",
         "- The explainer's pattern holds on chat at x1: round-robin has the lowest hit rate, sticky's "
         "busiest replica is far above the mean, cache-aware is balanced with a far lower p90 than both.",
         "",
