@@ -158,15 +158,17 @@ def _goodputs(key: str, wl: Any, fleet: Any, routers: list[str], store: Store) -
     if case is None:
         return {}, ""
     slo = case.slo if case.slo is not None else sim.DEFAULT_SLO
-    kw = {"slo": slo, "start": case.start, "bisect": case.bisect}
-    tag = f"b{case.bisect}.slo{slo:g}.x{case.start:g}"
+    kw = {"slo": slo, "start": case.start, "tol": case.tol}
+    # Router sweeps under scripts/results.py's own cache keys (same workload, fleet and settings),
+    # so one cache serves both scripts.
+    tag = f"tol{case.tol:g}." + ("" if slo == 2.0 else f"slo{slo:g}.")
     swept = [r for r in routers if case.only is None or r in case.only]
-    out = {"ideal": store.get(f"ideal.{key}.sweep.ideal.{tag}",
+    out = {"ideal": store.get(f"ideal.{key}.sweep.ideal.{tag}x{case.start:g}",
                               lambda: _sweep_dict(sweep_ideal(wl, fleet, **kw)))["goodput"]}
     for r in swept:
-        out[r] = store.get(f"ideal.{key}.sweep.{r}.{tag}", lambda r=r: _sweep_dict(sim.sweep(wl, r, fleet, **kw)))["goodput"]
+        out[r] = store.get(f"{case.key}.sweep.{tag}{r}", lambda r=r: _sweep_dict(sim.sweep(wl, r, fleet, **kw)))["goodput"]
     note = (f"Goodput: the highest arrival rate with p90 TTFT <= {slo:g} s (a ladder x2 from x{case.start:g}, then "
-            f"{case.bisect} bisections{', as in the goodput tables above' if key != 'trace' else ''}), for "
+            f"bisection to {case.tol:.0%} of the rate{', as in the goodput tables above' if key != 'trace' else ''}), for "
             f"{'every policy' if case.only is None else ', '.join(swept)} and the ideal (kvroute.sim.ideal.sweep_ideal).")
     return out, note
 

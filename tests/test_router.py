@@ -262,13 +262,16 @@ def test_concurrency_one_randomized_policies_use_the_fleet(impl, policy):
 def test_shared_prefix_is_not_sent_to_one_replica(impl, policy):
     system = prompt(10_000, 192)
     r = make(impl, [f"r{i}" for i in range(8)], policy=policy)
-    counts = Counter(r.route(prompt(i, 256, system)).replica for i in range(64))
+    # 256 requests, none finished: ttft opens another replica once the holders' queues
+    # outweigh fleet_weight (8) times the shared prefix it would prefill again.
+    counts = Counter(r.route(prompt(i, 256, system)).replica for i in range(256))
     assert len(counts) == 8
-    assert max(counts.values()) <= 2 * 64 / 8
+    assert max(counts.values()) <= 2 * 256 / 8
 
 
 def test_ttft_prefers_cache_until_queue_outweighs_it(impl):
-    r = make(impl, ["a", "b"], policy="ttft")
+    # fleet_weight 1 (the default is 3, tuned on kvroute simulate): the arithmetic below.
+    r = make(impl, ["a", "b"], policy="ttft", params={"fleet_weight": 1.0})
     p = prompt(1, 1024)
     first = r.route(p)
     # (Every replica also pays one step of step_tokens; no decodes yet.)
@@ -452,8 +455,10 @@ def test_session_ttl_and_lru(impl):
 def test_precise_mode_only_reads_the_index(impl):
     r = make(impl, ["a", "b"], mode="precise", params={"min_match_tokens": 0})  # 160 tokens count
     p = prompt(1)
-    assert r.route(p).matched_blocks == 0
+    first = r.route(p)
+    assert first.matched_blocks == 0
     assert r.index.num_blocks == 0
+    r.finish(first.handle)  # nothing pending: what the router knows is the index alone
     hashes = impl.block_hashes(p, BS)
     r.index.insert(r.replica_id("b"), hashes[:10])  # an engine event
     d = r.route(p)

@@ -185,7 +185,7 @@ def test_the_ideal_bounds_goodput():
     # Goodput (the highest rate with p90 TTFT within 0.5 s) of the ideal against the
     # policies that come closest to it on shared prefixes at a Poisson rate.
     wl, fleet = _small("shared-prefix-rate")
-    kw = {"slo": 0.5, "bisect": 2, "max_ladder": 4}
+    kw = {"slo": 0.5, "tol": 0.1, "max_ladder": 4}
     ideal = sweep_ideal(wl, fleet, **kw)
     assert ideal.goodput > 0 and ideal.router == "ideal"
     sweeps = [sim.sweep(wl, router, fleet, **kw) for router in ("round-robin", "sticky", "cache-aware", "ttft")]

@@ -118,7 +118,7 @@ def _sweep(args: argparse.Namespace, workload: object, specs: list, fleet: objec
         def note(pt: object, name: str = spec.name) -> None:
             print(f"{name}: rate x{pt.scale:.3g} ({pt.arrival_rate:.3f}/s) p90 TTFT {pt.ttft_p90:.2f} s",  # type: ignore[attr-defined]
                   file=sys.stderr)
-        sweeps.append(sim.sweep(workload, spec, fleet, slo=args.slo, start=args.sweep_start,
+        sweeps.append(sim.sweep(workload, spec, fleet, slo=args.slo, start=args.sweep_start, tol=args.sweep_tol,
                                 progress=note if args.progress or sys.stderr.isatty() else None))
     ideal = None
     if args.ideal:
@@ -219,10 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_sim.add_argument("--rate", type=float, default=None, help="shared-prefix: requests per second (default: all at t=0)")
     p_sim.add_argument("--sweep", action="store_true",
                        help="find each router's goodput: the highest arrival rate with p90 TTFT within --slo "
-                            "(kvroute.sim.sweep: a doubling ladder from --sweep-start, then 3 bisections)")
+                            "(kvroute.sim.sweep: a doubling ladder from --sweep-start, then bisection to --sweep-tol)")
     p_sim.add_argument("--slo", type=float, default=2.0, help="p90 TTFT SLO in seconds for --sweep (default 2)")
     p_sim.add_argument("--sweep-start", type=float, default=1.0,
                        help="arrival-rate factor the sweep starts from (default 1: the workload as is)")
+    p_sim.add_argument("--sweep-tol", type=float, default=0.01,
+                       help="relative resolution of the goodput's rate factor (default 0.01: within 1%%)")
     p_sim.add_argument("--json", action="store_true", help="print the results as JSON")
     p_sim.add_argument("--plot", metavar="FILE.png",
                        help="draw per-replica prefill seconds per router (with --sweep, beside p90 TTFT vs rate)")

@@ -64,7 +64,7 @@ preble         cost = queued prefill tokens + uncached tokens + decode_weight (3
 ttft           lowest estimated time to first token on an engine that batches like vLLM
                (kvroute.sim.engine), in token-equivalents at the prefill rate:
                cost = W + steps * (D + step_tokens (120.0) + kv_weight (0.001) * KV)
-               + fleet_weight (1.0) * (uncached - least uncached), where W = queued
+               + fleet_weight (8.0) * (uncached - least uncached), where W = queued
                prefill tokens + this request's uncached tokens (the prefill ahead of
                and including it), D = requests past their first token (decodes, one
                token each per step), KV = their prompt tokens (decode_blocks x
@@ -73,10 +73,13 @@ ttft           lowest estimated time to first token on an engine that batches li
                costing a fixed step_tokens (12 ms x 10,000 tokens/s), its decodes'
                tokens and their KV reads (0.1 us per KV token x 10,000)); the last term
                is the prefill it adds to the fleet beyond the best-cached replica
-               (work later requests wait behind). Ties to the longer match, then fewer
-               in-flight requests. With step_tokens = kv_weight = 0 it is the FIFO
-               estimate queued + 2 x uncached - least uncached (+ steps x D). Pending
-               cache: a replica's match also counts the leading blocks this prompt
+               (work later requests wait behind: near the SLO several arrivals
+               queue behind it, and near saturation a miss's prefill is capacity
+               lost to every later request, hence a weight well above 1). Ties to
+               the longer match, then fewer in-flight requests. With step_tokens =
+               kv_weight = 0 and fleet_weight = 1 it is the FIFO estimate queued + 2
+               x uncached - least uncached (+ steps x D). Pending cache: a
+               replica's match also counts the leading blocks this prompt
                shares with requests routed to it that have not reported their first
                token (a request admitted in a later step than its twin finds the
                twin's blocks cached), so ttft is not blind between routing and the
@@ -84,8 +87,14 @@ ttft           lowest estimated time to first token on an engine that batches li
                remove_replica, and cost O(prompt blocks) per queued request on a
                replica per decision. Decision.matched_blocks and the queued tokens
                include them. Tuned on kvroute simulate's engine model: the decode
-               terms lower chat's p90 TTFT at x0.6 from 2.75 s to 2.54 s (PR notes in
-               docs/results.md).
+               terms lower chat's p90 TTFT at x0.6 from 2.75 s to 2.54 s. fleet_weight
+               8 (was 1), goodput factor (kvroute.sim.sweep, 1% resolution, seed 0)
+               with fleet_weight 1 / 3 / 8: shared-prefix x8.13 / x10.83 / x10.83
+               (seeds 1-3 with 8: x12.75, x11.38, x13.17; sticky x7.79, x7.26, x8.92);
+               chat, 8 replicas, SLO 4 s: x0.942 / x0.968 / x0.922 (best peer llm-d
+               x0.841); chat, 16 replicas: - / x1.039 / x1.05 (preble x0.893); the
+               conversation trace, SLO 4 s: - / x1.628 / x1.646 (preble x1.628, a tie
+               that 8 breaks by keeping more hits near saturation). docs/results.md.
 =============  =====================================================================
 
 Decision.reason: "session" (kept binding), "affinity" (the chosen replica has the
@@ -136,7 +145,7 @@ POLICY_PARAMS: dict[str, dict[str, Any]] = {
     "dynamo": {"prefill_load_scale": 1.0, "temperature": 0.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "llmd": {"w_prefix": 3.0, "w_queue": 2.0, "w_kv": 2.0, "min_match_tokens": MIN_MATCH_TOKENS},
     "preble": {"decode_weight": 32.0, "min_match_tokens": MIN_MATCH_TOKENS},
-    "ttft": {"step_tokens": 120.0, "kv_weight": 0.001, "batch_tokens": 8192, "fleet_weight": 1.0,
+    "ttft": {"step_tokens": 120.0, "kv_weight": 0.001, "batch_tokens": 8192, "fleet_weight": 8.0,
              "min_match_tokens": MIN_MATCH_TOKENS},
 }
 

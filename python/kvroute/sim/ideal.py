@@ -494,7 +494,7 @@ def simulate_ideal(workload: Workload, fleet: FleetParams | None = None, *, evic
 
 def sweep_ideal(workload: Workload, fleet: FleetParams | None = None, **kwargs: Any) -> SweepResult:
     """The ideal fleet's goodput: kvroute.sim.sweep's search (same keywords: slo, start,
-    step, bisect, max_ladder, progress) over simulate_ideal; router name "ideal"."""
+    step, tol, max_ladder, progress) over simulate_ideal; router name "ideal"."""
     return search(lambda wl: simulate_ideal(wl, fleet), "ideal", workload, **kwargs)
 
 

@@ -6,8 +6,10 @@ and think times divided by the factor) and measures p90 TTFT at each. The search
 1. a ladder from `start`: if the start meets the SLO, multiply the factor by `step`
    (default 2) until a run misses it; otherwise divide until one meets it (at most
    `max_ladder` runs either way);
-2. `bisect` geometric bisections between the highest factor that met the SLO and the
-   lowest above it that missed (default 3: the bracket shrinks to step^(1/8), 9% for 2).
+2. geometric bisection between the highest factor that met the SLO and the lowest above
+   it that missed, until the missed factor is within `tol` (default 1%) of the met one:
+   goodput's factor is resolved to 1% (7 bisections after a ladder step of 2), so two
+   routers reported at the same factor are within 1% of each other's rate.
 
 goodput = the measured arrival rate (requests/s over the run, Metrics.arrival_rate) of
 the highest factor that met the SLO; 0 when even the lowest missed. p90 TTFT need not be
@@ -74,16 +76,16 @@ def sweep(
     slo: float = DEFAULT_SLO,
     start: float = 1.0,
     step: float = 2.0,
-    bisect: int = 3,
+    tol: float = 0.01,
     max_ladder: int = 6,
     impl: Any = None,
     progress: Callable[[SweepPoint], None] | None = None,
 ) -> SweepResult:
     """Find a router's goodput on `workload` (see the module docstring)."""
-    _check(slo, start, step)
+    _check(slo, start, step, tol)
     spec = router if isinstance(router, RouterSpec) else router_spec(router)
     return search(lambda wl: simulate(wl, spec, fleet, impl=impl), spec.name, workload, slo=slo, start=start,
-                  step=step, bisect=bisect, max_ladder=max_ladder, progress=progress)
+                  step=step, tol=tol, max_ladder=max_ladder, progress=progress)
 
 
 def search(
@@ -94,13 +96,13 @@ def search(
     slo: float = DEFAULT_SLO,
     start: float = 1.0,
     step: float = 2.0,
-    bisect: int = 3,
+    tol: float = 0.01,
     max_ladder: int = 6,
     progress: Callable[[SweepPoint], None] | None = None,
 ) -> SweepResult:
     """sweep() for any fleet: run_one(workload scaled) -> its SimResult (e.g. the ideal
     fleet, kvroute.sim.ideal.sweep_ideal); name labels the result."""
-    _check(slo, start, step)
+    _check(slo, start, step, tol)
     points: dict[float, SweepPoint] = {}
 
     def run(scale: float) -> SweepPoint:
@@ -112,37 +114,50 @@ def search(
             progress(pt)
         return pt
 
-    good, bad = _ladder(run, start, step, max_ladder)
-    if good is not None and bad is not None:
-        for _ in range(bisect):
-            mid = math.sqrt(good * bad)
-            if run(mid).ok:
-                good = mid
-            else:
-                bad = mid
+    good = search_factor(lambda s: run(s).ok, start, step, tol, max_ladder)
     best = points[good] if good is not None else None
     return SweepResult(name, workload.name, float(slo), best.arrival_rate if best else 0.0,
                        good or 0.0, tuple(points[k] for k in sorted(points)))
 
 
-def _check(slo: float, start: float, step: float) -> None:
+def _check(slo: float, start: float, step: float, tol: float) -> None:
     if not (isinstance(slo, (int, float)) and math.isfinite(slo) and slo > 0):
         raise ValueError(f"slo must be a finite number of seconds > 0, got {slo!r}")
     if not (math.isfinite(start) and start > 0 and math.isfinite(step) and step > 1):
         raise ValueError(f"start must be > 0 and step > 1, got start={start!r}, step={step!r}")
+    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and 0 < tol < step - 1):
+        raise ValueError(f"tol must be > 0 and below step - 1, got tol={tol!r}")
 
 
-def _ladder(run: Callable[[float], SweepPoint], start: float, step: float,
+def search_factor(ok: Callable[[float], bool], start: float, step: float = 2.0, tol: float = 0.01,
+           max_ladder: int = 6) -> float | None:
+    """The highest factor found with ok(factor) true (None: none of the ladder's): the
+    ladder, then bisection until the lowest factor above it that failed is within
+    (1 + tol) of it (module docstring). When the ladder never fails (max_ladder steps up),
+    its last factor is returned unresolved."""
+    good, bad = _ladder(ok, start, step, max_ladder)
+    if good is None or bad is None:
+        return good
+    while bad > good * (1.0 + tol):
+        mid = math.sqrt(good * bad)
+        if ok(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _ladder(ok: Callable[[float], bool], start: float, step: float,
             max_ladder: int) -> tuple[float | None, float | None]:
     """(highest factor that met the SLO, lowest above it that missed); None: not found."""
     scale = start
-    first = run(scale).ok
+    first = ok(scale)
     for _ in range(max_ladder):
         nxt = scale * step if first else scale / step
-        if run(nxt).ok != first:
+        if ok(nxt) != first:
             return (scale, nxt) if first else (nxt, scale)
         scale = nxt
     return (scale, None) if first else (None, scale)
 
 
-__all__ = ["DEFAULT_SLO", "QUANTILE", "SweepPoint", "SweepResult", "search", "sweep"]
+__all__ = ["DEFAULT_SLO", "QUANTILE", "SweepPoint", "SweepResult", "search", "search_factor", "sweep"]
