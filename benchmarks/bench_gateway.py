@@ -42,8 +42,11 @@ from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MARK_BEGIN = "<!-- begin: bench_gateway -->"
-MARK_END = "<!-- end: bench_gateway -->"
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from docs_section import write_section  # noqa: E402  (scripts/docs_section.py)
+
+SECTION = "bench_gateway"  # its marked section of docs/results.md
 
 
 def free_port() -> int:
@@ -267,7 +270,7 @@ def _ms(v: Any) -> str:
 def table(over: list[dict[str, Any]], rate: list[dict[str, Any]], chats: list[dict[str, Any]], cmd: str,
           versions: dict[str, str]) -> str:
     peers = ", ".join(f"{k} {v}" for k, v in versions.items()) or "none found"
-    lines = [MARK_BEGIN, "## Gateway: kvroute serve vs direct and peer gateways", "",
+    lines = ["## Gateway: kvroute serve vs direct and peer gateways", "",
              f"`{cmd}` (benchmarks/bench_gateway.py), on this machine's loopback with emulated engines "
              f"(`kvroute emulate`), {os.cpu_count()} CPUs shared with other work; one run each (the latency "
              f"rounds: medians). Peers: {peers} "
@@ -298,19 +301,7 @@ def table(over: list[dict[str, Any]], rate: list[dict[str, Any]], chats: list[di
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
         lines.append(f"| {r['label']} | {r['completed']} | {hit} | {_ms(r['ttft_p50'])} | {_ms(r['ttft_p90'])} | "
                      f"{r['errors']} |")
-    lines.append(MARK_END)
     return "\n".join(lines) + "\n"
-
-
-def write(path: str, block: str) -> None:
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def main() -> int:
@@ -345,7 +336,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"overhead": over, "rate": rate, "chat": chats}, f, indent=2)
     if args.write:
-        write(args.write, block)
+        write_section(args.write, SECTION, block)
     return 0
 
 

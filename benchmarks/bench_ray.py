@@ -43,14 +43,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 from kvroute.bench.prompts import chat_messages  # noqa: E402
 from kvroute.integrations.ray_core import instances  # noqa: E402
 from kvroute.integrations.ray_engine import SimEngineReplica, SimRequest  # noqa: E402
 from kvroute.sim import workloads as wl  # noqa: E402
+from docs_section import write_section  # noqa: E402  (scripts/docs_section.py)
 
 ROUTERS = ("kvroute", "ray-prefix", "ray-pow2")
-MARK = "bench-ray"
+SECTION = "bench-ray"  # its marked section of docs/results.md
 
 
 def router_config(name: str) -> Any:
@@ -170,19 +172,6 @@ def table(rows: list[dict[str, Any]], cmd: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(path: str, block: str) -> None:
-    """Replace (or append) the marked section of `path`."""
-    begin, end = f"<!-- begin: {MARK} -->", f"<!-- end: {MARK} -->"
-    text = open(path).read() if os.path.exists(path) else ""
-    new = f"{begin}\n{block}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + new + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + new + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=4)
@@ -210,7 +199,7 @@ def main() -> int:
     block = table(rows, cmd.strip())
     print(block)
     if args.write:
-        write(args.write, block)
+        write_section(args.write, SECTION, block)
     return 0
 
 

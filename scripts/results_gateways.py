@@ -47,9 +47,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]
 
 from bench_gateway import Fleet, free_port, process, wait_http  # noqa: E402
+from docs_section import write_section  # noqa: E402  (scripts/docs_section.py, next to this file)
 
-MARK_BEGIN = "<!-- begin: gateways -->"
-MARK_END = "<!-- end: gateways -->"
+SECTION = "gateways"  # its marked section of docs/results.md
 NICE = ["nice", "-n", "5"]
 
 
@@ -277,7 +277,7 @@ def _q(xs: list[float], q: float) -> float:
 
 def render(rows: list[dict[str, Any]], restarts: list[dict[str, Any]], stale: dict[str, list[float]],
            args: argparse.Namespace, cmd: str) -> str:
-    out = [MARK_BEGIN, "## Several gateways: shared state on Redis, warm restarts", "",
+    out = ["## Several gateways: shared state on Redis, warm restarts", "",
            f"`{cmd}` (scripts/results_gateways.py): 8 emulated engines (`kvroute emulate`, real modeled time, "
            f"a fresh fleet per run), gateways as separate processes (policy ttft), requests round-robin over "
            f"them (`kvroute bench --spread`), chat workload for 8 replicas, completions API, --time-scale "
@@ -331,7 +331,6 @@ def render(rows: list[dict[str, Any]], restarts: list[dict[str, Any]], stale: di
             out.append(f"| {k} | {_q(xs, 0.5) * 1e3:.1f} ms | {_q(xs, 0.99) * 1e3:.1f} ms | {max(xs) * 1e3:.1f} ms | "
                        f"{bounds[k]} |")
         out.append("")
-    out.append(MARK_END)
     return "\n".join(out) + "\n"
 
 
@@ -357,17 +356,6 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"- Approximate, 4 gateways without Redis vs 1: {100 * (a1['hit_rate'] - a4['hit_rate']):+.1f} "
                      "points lost.")
     return lines
-
-
-def write(path: str, block: str) -> None:
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    if MARK_BEGIN in text and MARK_END in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
 
 
 def main() -> int:
@@ -407,7 +395,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"scaling": rows, "restart": restarts, "staleness": stale}, f, indent=2, default=str)
     if args.write:
-        write(args.write, block)
+        write_section(args.write, SECTION, block)
     return 0
 
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,6 +22,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def emulated_fleet(n: int = 4, time_scale: float = 0.02) -> Iterator[Any]:
+    """n emulated engines (kvroute.emulate, in a thread) on free ports, for a module fixture:
+    yields the running FleetThread and stops it after."""
+    from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread
+
+    ports = [EnginePorts(free_port(), free_port(), free_port()) for _ in range(n)]
+    f = FleetThread(ports, EmulatorOptions(time_scale=time_scale)).start()
+    try:
+        yield f
+    finally:
+        f.stop()
 
 
 def get_json(url: str, timeout: float = 5.0) -> Any:

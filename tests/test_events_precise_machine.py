@@ -114,27 +114,19 @@ request = st.tuples(st.sampled_from([None, "adapter-a"]), st.sampled_from([None,
                     st.integers(0, 2), st.integers(0, 6), st.lists(st.integers(0, 3), max_size=24))
 
 
-class PreciseEngines(RuleBasedStateMachine):
-    @initialize(fmts=st.tuples(st.sampled_from(["sglang", "sglang-map"]),
-                               st.sampled_from(["vllm-array", "vllm-map", "sglang-map"]),
-                               st.sampled_from(["vllm-array", "vllm-map"])),
-                groups=st.tuples(st.just(1), st.integers(1, 2), st.integers(1, 2)))
-    def setup(self, fmts, groups):
-        self.engines = [SimEngine(f, s, g if f in VLLM else 1) for f, s, g in zip(fmts, SIZES, groups)]
-        self.impls = []
-        for name in ("native", "reference"):
-            M = load_impl(name)
-            idx = M.PrefixIndex(3)
-            self.impls.append((idx, M.EventApplier(idx, BS)))
-        self.probes: list[tuple[Any, Any, list[int]]] = []
-        self.ts = 0.0
+class EngineTraffic(RuleBasedStateMachine):
+    """Rules that drive three SimEngines (serve, evict, clear) and remember the last probes.
+    A subclass's @initialize sets engines, probes and ts, and _deliver(r, payload) takes each
+    encoded batch (tests/test_snapshot_precise.py drives restarted routers with the same rules)."""
+
+    def _deliver(self, r: int, payload: bytes) -> None:
+        raise NotImplementedError
 
     def _send(self, r: int, events: list[Any]) -> None:
         if not events:
             return
         self.ts += 1.0
-        payload = ENC([self.ts, events, 0])
-        assert [a.apply(r, payload) for _, a in self.impls] == [True, True]
+        self._deliver(r, ENC([self.ts, events, 0]))
 
     @rule(r=st.integers(0, 2), req=request, dup=st.booleans(), report=st.booleans())
     def serve(self, r, req, dup, report):
@@ -162,6 +154,25 @@ class PreciseEngines(RuleBasedStateMachine):
     @rule(r=st.integers(0, 2))
     def clear(self, r):
         self._send(r, self.engines[r].clear())
+
+
+class PreciseEngines(EngineTraffic):
+    @initialize(fmts=st.tuples(st.sampled_from(["sglang", "sglang-map"]),
+                               st.sampled_from(["vllm-array", "vllm-map", "sglang-map"]),
+                               st.sampled_from(["vllm-array", "vllm-map"])),
+                groups=st.tuples(st.just(1), st.integers(1, 2), st.integers(1, 2)))
+    def setup(self, fmts, groups):
+        self.engines = [SimEngine(f, s, g if f in VLLM else 1) for f, s, g in zip(fmts, SIZES, groups)]
+        self.impls = []
+        for name in ("native", "reference"):
+            M = load_impl(name)
+            idx = M.PrefixIndex(3)
+            self.impls.append((idx, M.EventApplier(idx, BS)))
+        self.probes: list[tuple[Any, Any, list[int]]] = []
+        self.ts = 0.0
+
+    def _deliver(self, r: int, payload: bytes) -> None:
+        assert [a.apply(r, payload) for _, a in self.impls] == [True, True]
 
     @invariant()
     def never_above_the_engine_and_exact_under_the_rule(self):

@@ -9,10 +9,9 @@ import pytest
 
 pytest.importorskip("aiohttp")
 
-from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread  # noqa: E402
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
 from kvroute.tokenize import load_tokenizer  # noqa: E402
-from tests.gateway_harness import GatewayThread, call, free_port, get_json, metrics_of, wait_until  # noqa: E402
+from tests.gateway_harness import GatewayThread, call, emulated_fleet, free_port, get_json, metrics_of, wait_until  # noqa: E402
 from tests.gateway_harness import openai_client as client  # noqa: E402
 
 MODEL = "kvroute-emulated"
@@ -21,10 +20,7 @@ DOC = "The gateway routes each prompt to the replica that holds its leading KV b
 
 @pytest.fixture(scope="module")
 def fleet():
-    ports = [EnginePorts(free_port(), free_port(), free_port()) for _ in range(4)]
-    f = FleetThread(ports, EmulatorOptions(time_scale=0.02)).start()
-    yield f
-    f.stop()
+    yield from emulated_fleet(4)
 
 
 @pytest.fixture(scope="module")

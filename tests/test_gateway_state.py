@@ -18,10 +18,9 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("redis")
 
-from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread  # noqa: E402
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
 from kvroute.gateway.fleet import hash_prompt  # noqa: E402
-from tests.gateway_harness import GatewayThread, free_port, get_json, metrics_of, openai_client, wait_until  # noqa: E402
+from tests.gateway_harness import GatewayThread, emulated_fleet, free_port, get_json, metrics_of, openai_client, wait_until  # noqa: E402
 from tests.redis_server import RedisServer, redis_server_binary  # noqa: E402
 
 MODEL = "kvroute-emulated"
@@ -39,10 +38,7 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def fleet():
-    ports = [EnginePorts(free_port(), free_port(), free_port()) for _ in range(4)]
-    f = FleetThread(ports, EmulatorOptions(time_scale=0.02)).start()
-    yield f
-    f.stop()
+    yield from emulated_fleet(4)
 
 
 def specs(fleet: Any) -> tuple[ReplicaSpec, ...]:

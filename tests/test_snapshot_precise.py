@@ -14,23 +14,21 @@ import shutil
 import tempfile
 from typing import Any
 
-import msgspec
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, rule
 
 from conftest import load_impl
 from kv_keys import VLLM
-from test_events_precise_machine import BASES, BS, SIZES, SimEngine, request
+from test_events_precise_machine import BS, SIZES, EngineTraffic, SimEngine
 
 from kvroute import RouterConfig
 
-ENC = msgspec.msgpack.Encoder().encode
 NAMES = ["e0", "e1", "e2"]
 IMPLS = ("native", "reference")
 
 
-class RestartedEngines(RuleBasedStateMachine):
+class RestartedEngines(EngineTraffic):
     @initialize(fmts=st.tuples(st.sampled_from(["sglang", "sglang-map"]),
                                st.sampled_from(["vllm-array", "vllm-map", "sglang-map"]),
                                st.sampled_from(["vllm-array", "vllm-map"])),
@@ -54,39 +52,9 @@ class RestartedEngines(RuleBasedStateMachine):
         router = M.Router(self.cfg, NAMES)
         return router, M.EventApplier(router.index, BS)
 
-    def _send(self, r: int, events: list[Any]) -> None:
-        if not events:
-            return
-        self.ts += 1.0
-        payload = ENC([self.ts, events, 0])
+    def _deliver(self, r: int, payload: bytes) -> None:
         for _, applier in self.plain + self.restarted:
             assert applier.apply(r, payload)
-
-    @rule(r=st.integers(0, 2), req=request, dup=st.booleans(), report=st.booleans())
-    def serve(self, r, req, dup, report):
-        lora, salt, base, keep, tail = req
-        if self.engines[r].fmt == "sglang":
-            lora = None
-        tokens = BASES[base][: keep * BS] + tail
-        if (lora, salt, tokens) not in self.probes:
-            self.probes = (self.probes + [(lora, salt, tokens)])[-10:]
-        self._send(r, self.engines[r].serve(lora, salt, tokens, dup, report))
-
-    @rule(r=st.integers(0, 2), g=st.integers(0, 1), pick=st.integers(0, 10**6), n=st.integers(1, 6))
-    def evict(self, r, g, pick, n):
-        eng = self.engines[r]
-        g %= eng.groups
-        events: list[Any] = []
-        for _ in range(n):
-            cands = eng.evictable(g)
-            if not cands:
-                break
-            events += eng.evict(g, cands[pick % len(cands)])
-        self._send(r, events)
-
-    @rule(r=st.integers(0, 2))
-    def clear(self, r):
-        self._send(r, self.engines[r].clear())
 
     @rule(cross=st.booleans())
     def restart(self, cross):
