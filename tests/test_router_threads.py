@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -49,6 +50,10 @@ def test_threads_route_finish_and_mutate_index():
                 if i % 50 == 0:
                     index.clear_replica((r + 1) % len(names))
                 i += 1
+                if i % 8 == 0:
+                    # Hand the GIL over: a Python loop that never waits starves the routing threads,
+                    # each of which needs the GIL back after every native call (a convoy: 250 s).
+                    time.sleep(0)
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
