@@ -13,13 +13,15 @@ def markers(name: str) -> tuple[str, str]:
 
 
 def write_section(path: str, name: str, body: str) -> None:
-    """Replace (or append) section NAME of `path` with `body` between its markers."""
+    """Replace (or append) section NAME of `path` with `body` between its markers (a blank line
+    before the end marker; what follows the section is kept as it was)."""
     begin, end = markers(name)
-    block = f"{begin}\n{body.strip(chr(10))}\n{end}\n"
+    block = f"{begin}\n{body.strip(chr(10))}\n\n{end}\n"
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        text = head + block + rest.split(end, 1)[1].lstrip("\n")
+        tail = rest.split(end, 1)[1]
+        text = head + block + (tail[1:] if tail.startswith("\n") else tail)  # the blank line after stays
     else:
         text = text.rstrip("\n") + "\n\n" + block
     with open(path, "w", encoding="utf-8") as f:

@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from kvroute.sim.ideal import simulate_ideal, sweep_ideal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import CASES, Store, _run_dict, _sweep_dict  # noqa: E402  (scripts/results.py: same settings, same cache)
+from docs_section import markers, write_section  # noqa: E402  (scripts/docs_section.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = Path("..") / "shared" / "traces" / "conversation_trace.jsonl"
@@ -223,15 +223,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _emit(name: str, body: list[str], footer: str, write: bool) -> None:
-    begin, end = f"<!-- begin: diagnose-{name} -->", f"<!-- end: diagnose-{name} -->"
-    section = "\n".join([begin, *body, footer, "", end, ""])
-    print(section)
+    section = "\n".join([*body, footer])
+    begin, end = markers(f"diagnose-{name}")
+    print("\n".join([begin, section, "", end]))
     if write:
         path = ROOT / "docs" / "results.md"
-        text = path.read_text(encoding="utf-8")
-        pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end) + "\n?", re.S)
-        text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + section
-        path.write_text(text, encoding="utf-8")
+        write_section(str(path), f"diagnose-{name}", section)
         print(f"wrote {path}", file=sys.stderr)
 
 
