@@ -173,3 +173,20 @@ def test_state_settings_are_checked():
                     ({"prefix": ""}, "prefix")):
         with pytest.raises(ValueError, match=msg):
             RedisOptions(**kw)
+
+
+def test_redis_write_queue_is_bounded_oldest_dropped():
+    """Writes waiting for Redis (session bindings, route inserts) stay within queue_max each."""
+    pytest.importorskip("redis")
+    import numpy as np
+
+    from kvroute import Router, RouterConfig
+    from kvroute.gateway.state.redis_store import RedisOptions, RedisState
+
+    state = RedisState("redis://127.0.0.1:1/0", Router(RouterConfig(), ["a", "b"]), None, RedisOptions(queue_max=3))
+    state.link.up = True  # as if connected: nothing is sent, the writer task is not running
+    hashes = np.arange(4, dtype=np.uint64)
+    for i in range(5):
+        state.routed(f"s{i}", "a" if i % 2 else "b", hashes)
+    assert list(state._sessions) == ["s2", "s3", "s4"] and len(state._routes) == 3
+    assert state.counts["dropped"] == 4

@@ -68,8 +68,9 @@ expires much sooner; the set only lists whose key to read)."""
 
 @dataclasses.dataclass(frozen=True)
 class RedisOptions:
-    """RedisState settings (seconds). queue_max bounds the writes waiting for Redis (oldest
-    dropped beyond it, counted); gateway_id defaults to host:pid:random."""
+    """RedisState settings (seconds). queue_max bounds the writes waiting for Redis, session
+    bindings and route inserts each (oldest dropped beyond it, counted); gateway_id defaults to
+    host:pid:random."""
 
     prefix: str = "kvroute"
     timeout: float = 0.05
@@ -177,6 +178,9 @@ class RedisState(SharedState):
             return
         if session:
             self._sessions[session] = replica.encode()
+            if len(self._sessions) > self.opts.queue_max:  # the same bound as the routes'
+                del self._sessions[next(iter(self._sessions))]
+                self._dropped(1)
         if self.share_routes and len(hashes):
             self._routes.append((replica.encode(), np.ascontiguousarray(hashes, dtype="<u8").tobytes()))
             if len(self._routes) > self.opts.queue_max:
