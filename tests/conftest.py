@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -56,3 +57,12 @@ def native():
 @pytest.fixture
 def reference():
     return load_impl("reference")
+
+
+@pytest.fixture(autouse=True)
+def _close_openai_clients():
+    """Close the openai clients a test opened through gateway_harness.openai_client."""
+    yield
+    harness = sys.modules.get("tests.gateway_harness") or sys.modules.get("gateway_harness")
+    if harness is not None:
+        harness.close_openai_clients()

@@ -66,11 +66,26 @@ def wait_until(pred: Any, timeout: float = 20.0, interval: float = 0.05) -> bool
         time.sleep(interval)
     return False
 
-def openai_client(gw: Any, **kw: Any) -> Any:
-    """The official openai client pointed at a gateway (no retries: a test sees every error)."""
+_OPEN_CLIENTS: list[Any] = []  # closed by close_openai_clients() after each test (conftest.py)
+
+
+def openai_client(server: Any, **kw: Any) -> Any:
+    """The official openai client pointed at a gateway or engine (an object with .url, or the
+    URL itself), with no retries so a test sees every error. It is closed after the test: an
+    unclosed client's pooled socket can be finalised during a later test, whose ResourceWarning
+    then fails that unrelated test."""
     import openai
 
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0, **kw)
+    url = server if isinstance(server, str) else server.url
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, **kw)
+    _OPEN_CLIENTS.append(c)
+    return c
+
+
+def close_openai_clients() -> None:
+    """Close every client openai_client() handed out."""
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
 
 
 def metrics_of(gw: Any) -> dict[str, dict[tuple, float]]:

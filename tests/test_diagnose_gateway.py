@@ -7,10 +7,10 @@ import time
 import pytest
 
 pytest.importorskip("aiohttp")
-import openai  # noqa: E402
+pytest.importorskip("openai")
 
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
-from tests.gateway_harness import Engine, GatewayThread, free_port, get_json  # noqa: E402
+from tests.gateway_harness import Engine, GatewayThread, free_port, get_json, openai_client  # noqa: E402
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1,100 byte tokens the prompts share
 
@@ -24,7 +24,7 @@ def test_diagnostics_endpoint_finds_a_volatile_header():
         cfg = GatewayConfig(replicas=tuple(ReplicaSpec(e.url, name=e.name) for e in engines), port=free_port(),
                             health_interval=0.1, scrape_interval=0.1)
         gw = GatewayThread(cfg).start()
-        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        c = openai_client(gw)
         for i in range(16):
             # A request id at the top of the system prompt: the rest repeats, the cache cannot see it.
             stamp = f"request {time.monotonic_ns() % 10**9:09d}\n"

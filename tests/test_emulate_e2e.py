@@ -27,6 +27,7 @@ from emulate_util import WAIT, cache_content, eventually, kvroute_hashes, start_
 
 import kvroute  # noqa: E402
 from kvroute.events import EventApplier, Source, Subscriber  # noqa: E402
+from tests.gateway_harness import openai_client  # noqa: E402
 
 N = 4
 MODEL = "emu-test"
@@ -41,7 +42,7 @@ def fleet():
 
 
 def client(fleet, i=0):
-    return openai.OpenAI(base_url=fleet.fleet.engines[i].url + "/v1", api_key="none", max_retries=0)
+    return openai_client(fleet.fleet.engines[i].url)
 
 
 def metrics(fleet, i):
@@ -250,7 +251,7 @@ def test_hugging_face_tokenizer_and_chat_template(tmp_path):
         assert r["tokens"] == tok.encode_chat(messages)
         r = httpx.post(url + "/tokenize", json={"prompt": "the quick brown fox"}).json()
         assert r["tokens"] == tok.encode("the quick brown fox", add_special_tokens=True)
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        c = openai_client(url)
         chat = c.chat.completions.create(model="kvroute-emulated", messages=messages, max_tokens=2)
         assert chat.usage.prompt_tokens == len(tok.encode_chat(messages))
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})

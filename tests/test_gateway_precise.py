@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 zmq = pytest.importorskip("zmq")
-import openai  # noqa: E402
+pytest.importorskip("openai")
 
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
 from kvroute.tokenize import load_tokenizer  # noqa: E402
 from tests import kv_wire  # noqa: E402
-from tests.gateway_harness import Engine, GatewayThread, call, free_port, get_json, wait_until  # noqa: E402
+from tests.gateway_harness import Engine, GatewayThread, call, free_port, get_json, openai_client, wait_until  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "You answer questions about the long document below. " * 8},
             {"role": "user", "content": "What is it about?"}]
@@ -47,7 +47,7 @@ def test_precise_mode_follows_events():
             return rep["blocks_held"] == len(blocks)
 
         assert wait_until(publish, 10, 0.1)  # the subscriber joins a little after the gateway starts
-        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        c = openai_client(gw)
         raw = c.chat.completions.with_raw_response.create(model="fake-model", messages=MESSAGES)
         assert raw.headers["x-kvroute-replica"] == "p1"
         reps = {r["name"]: r for r in get_json(url)["replicas"]}

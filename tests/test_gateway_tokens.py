@@ -9,11 +9,11 @@ import json
 import pytest
 
 pytest.importorskip("aiohttp")
-import openai  # noqa: E402
+pytest.importorskip("openai")
 
 from kvroute.emulate import EmulatorOptions, EnginePorts, FleetThread  # noqa: E402
 from kvroute.gateway.config import GatewayConfig, ReplicaSpec  # noqa: E402
-from tests.gateway_harness import GatewayThread, free_port, get_json, wait_until  # noqa: E402
+from tests.gateway_harness import GatewayThread, free_port, get_json, openai_client, wait_until  # noqa: E402
 from tests.tokenizers_fixture import train_folder  # noqa: E402
 
 MODEL = "kvroute-emulated"
@@ -34,7 +34,7 @@ def test_predicted_equals_engine_cached(folder, tmp_path, mode):
         specs = tuple(ReplicaSpec.parse(f"{e.serve_args()},name=e{e.index}") for e in fleet.fleet.engines)
         gw = GatewayThread(GatewayConfig(replicas=specs, port=free_port(), decision_log=str(log),
                                          tokenizer=folder if mode == "path" else "engine")).start()
-        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+        c = openai_client(gw)
         history = [{"role": "system", "content": "the quick brown fox jumps over the lazy dog " * 10}]
         reported = []
         for turn in range(3):
