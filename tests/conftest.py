@@ -50,6 +50,17 @@ def impl(request):
 
 
 @pytest.fixture
+def gil_released():
+    """Every native call releases the GIL whatever its size (cpp/bindings/gil.hpp keeps it for
+    short calls), so that a threaded test's threads run native code at once: what
+    ThreadSanitizer checks."""
+    mod = load_impl("native")
+    mod._release_gil_always(True)
+    yield
+    mod._release_gil_always(False)
+
+
+@pytest.fixture
 def native():
     return load_impl("native")
 

@@ -301,6 +301,7 @@ def test_events_module_needs_neither_zmq_nor_msgspec_to_import():
 
 
 @pytest.mark.parametrize("impl_name", ["native", "reference"])
+@pytest.mark.usefixtures("gil_released")
 def test_concurrent_appliers_and_readers(impl_name):
     """Replicas fed from four threads while another matches: every replica ends exact."""
     import threading

@@ -317,6 +317,7 @@ def test_replica_removed_from_the_tier_index_refuses_before_changing_anything():
 
 
 @pytest.mark.parametrize("name", ["native", "reference"])
+@pytest.mark.usefixtures("gil_released")
 def test_apply_racing_remove_replica_leaves_nothing_half_applied(name):
     M = load_impl(name)
     idx = M.PrefixIndex(2)

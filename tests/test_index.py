@@ -400,6 +400,7 @@ def test_long_chains_split_and_merge():
     assert results[5] == [1000, 1500, 700]
 
 
+@pytest.mark.usefixtures("gil_released")
 def test_threads_native_consistent(native):
     ix = native.PrefixIndex(8, capacity=500)
     rng = np.random.default_rng(3)

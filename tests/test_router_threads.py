@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from conftest import load_impl
 from kvroute.config import RouterConfig
@@ -14,6 +15,7 @@ NATIVE = load_impl("native")
 ROUNDS = 8000
 
 
+@pytest.mark.usefixtures("gil_released")
 def test_threads_route_finish_and_mutate_index():
     names = [f"r{i}" for i in range(8)]
     router = NATIVE.Router(RouterConfig(policy="ttft", block_size=16, index_capacity=2000), names)

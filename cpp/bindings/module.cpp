@@ -1,6 +1,7 @@
 // kvroute._native: the compiled twin of kvroute.reference. Each concept registers itself.
 #include "kvroute/errors.hpp"
 #include "kvroute/version.hpp"
+#include "gil.hpp"
 #include "register.hpp"
 
 namespace py = pybind11;
@@ -32,4 +33,11 @@ PYBIND11_MODULE(_native, m) {
     kvroute::bindings::register_index(m);
     kvroute::bindings::register_router(m);
     kvroute::bindings::register_events(m);
+
+    m.def(
+        "_release_gil_always",
+        [](bool on) { kvroute::bindings::release_gil_always.store(on, std::memory_order_relaxed); },
+        py::arg("on"),
+        "Testing only: every call releases the GIL whatever its size (gil.hpp), so that threaded tests run "
+        "native code in several threads at once for ThreadSanitizer to check.");
 }

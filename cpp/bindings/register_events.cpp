@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "gil.hpp"
 #include "hashes.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/events.hpp"
@@ -117,13 +118,10 @@ kvroute.reference.events.)doc")
                     data = PyBytes_AS_STRING(keep.ptr());
                     len = PyBytes_GET_SIZE(keep.ptr());
                 }
-                bool ok;
-                {
-                    // Decoding and applying loop over the batch; the bytes are pinned by `keep`.
-                    py::gil_scoped_release release;
-                    ok = a.apply(r, reinterpret_cast<const std::uint8_t*>(data), static_cast<std::size_t>(len));
-                }
-                return ok;
+                // Decoding and applying loop over the batch; the bytes are pinned by `keep`.
+                const auto n = static_cast<std::size_t>(len);
+                return without_gil_if(n >= kGilEventBytes,
+                                      [&] { return a.apply(r, reinterpret_cast<const std::uint8_t*>(data), n); });
             },
             py::arg("replica"), py::arg("payload"),
             "Decode and apply one msgpack batch; False (counted, nothing applied) when malformed.")
@@ -138,14 +136,11 @@ kvroute.reference.events.)doc")
                 const TokenView tokens = tokens_as_uint32(token_ids);
                 const std::optional<std::string> med = medium_arg(medium);
                 const std::size_t size = block_size.is_none() ? 0 : check_block_size(block_size);
-                std::size_t n;
-                {
-                    // Hashing and map updates loop over the blocks; the views pin their arrays.
-                    py::gil_scoped_release release;
-                    n = a.apply_stored(r, hs.data(), hs.size(), parent ? &*parent : nullptr, tokens.data(),
-                                       tokens.size(), size, med ? &*med : nullptr);
-                }
-                return n;
+                // Hashing and map updates loop over the blocks; the views pin their arrays.
+                return without_gil_if(hs.size() >= kGilHashes || tokens.size() >= kGilTokens, [&] {
+                    return a.apply_stored(r, hs.data(), hs.size(), parent ? &*parent : nullptr, tokens.data(),
+                                          tokens.size(), size, med ? &*med : nullptr);
+                });
             },
             py::arg("replica"), py::arg("block_hashes"), py::arg("parent_block_hash"), py::arg("token_ids"),
             py::kw_only(), py::arg("block_size") = py::none(), py::arg("medium") = py::none(),
@@ -156,8 +151,8 @@ kvroute.reference.events.)doc")
                 const std::int64_t r = replica_arg(a, replica);
                 const HashView hs = as_hashes(block_hashes, "block_hashes");
                 const std::optional<std::string> med = medium_arg(medium);
-                py::gil_scoped_release release;  // loops over the hashes; the view pins its array
-                return a.apply_removed(r, hs.data(), hs.size(), med ? &*med : nullptr);
+                return without_gil_if(hs.size() >= kGilHashes,  // the view pins its array
+                                      [&] { return a.apply_removed(r, hs.data(), hs.size(), med ? &*med : nullptr); });
             },
             py::arg("replica"), py::arg("block_hashes"), py::kw_only(), py::arg("medium") = py::none(),
             "Apply one BlockRemoved from an array of engine hashes; returns blocks removed.")

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "gil.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/hash.hpp"
 #include "register.hpp"
@@ -22,9 +23,6 @@ struct Buffer {
         if (held) PyBuffer_Release(&view);
     }
 };
-
-// Below this many bytes, releasing and retaking the GIL costs more than the hashing.
-constexpr std::size_t kReleaseGilBytes = 4096;
 
 std::uint64_t check_seed(py::handle seed) {
     if (PyLong_CheckExact(seed.ptr())) {
@@ -64,9 +62,7 @@ std::uint64_t hash_bytes(py::handle data, py::handle seed) {
     const std::uint64_t s = check_seed(seed);
     const auto len = static_cast<std::size_t>(buffer.view.len);
     if (PyBuffer_IsContiguous(&buffer.view, 'C')) {
-        if (len < kReleaseGilBytes) return xxh3_64(buffer.view.buf, len, s);
-        py::gil_scoped_release release;  // hashing a large buffer is a loop over it
-        return xxh3_64(buffer.view.buf, len, s);
+        return without_gil_if(len >= kGilBytes, [&] { return xxh3_64(buffer.view.buf, len, s); });
     }
     // Strided buffers hash their C-order bytes, as memoryview.tobytes() would give them.
     std::vector<unsigned char> copy(len);
@@ -128,12 +124,7 @@ py::array_t<std::uint64_t> block_hashes(py::handle tokens, py::handle block_size
         }
         chain_hashes(view.data(), view.size(), size, root, dst, &seen);
     };
-    if (view.size() * sizeof(std::uint32_t) < kReleaseGilBytes) {
-        run();
-    } else {
-        py::gil_scoped_release release;  // the chain is a loop over the tokens; no refcounts touched
-        run();
-    }
+    without_gil_if(view.size() >= kGilTokens, run);  // run touches no refcount
     // The top bit of an int32 token is its sign: a negative token fails the call, hashes unseen.
     if (seen >> 31) view.check();
     // A 64-bit token is in range exactly when its high half is zero (negatives included).

@@ -8,8 +8,10 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "gil.hpp"
 #include "hashes.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/prefix_index.hpp"
@@ -87,16 +89,10 @@ std::shared_ptr<PrefixIndex> make_index(py::handle num_replicas, py::handle capa
     return std::make_shared<PrefixIndex>(static_cast<std::uint32_t>(n), cap, t, record);
 }
 
-// Below this many hashes a walk takes less time than releasing and retaking the GIL.
-constexpr std::size_t kReleaseGilHashes = 1024;
-
-/// f() with the GIL released when it loops over at least kReleaseGilHashes hashes; f must
-/// touch no Python object.
+/// f() with the GIL released when it walks at least kGilHashes hashes (gil.hpp).
 template <class F>
 auto without_gil_if_long(std::size_t n, F&& f) {
-    if (n < kReleaseGilHashes) return f();
-    py::gil_scoped_release release;
-    return f();
+    return without_gil_if(n >= kGilHashes, std::forward<F>(f));
 }
 
 template <class T>

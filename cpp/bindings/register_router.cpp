@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "gil.hpp"
 #include "hashes.hpp"
 #include "kvroute/errors.hpp"
 #include "kvroute/prefix_index.hpp"
@@ -348,8 +349,9 @@ void def_routing(py::class_<PyRouter>& cls) {
                  const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
                  const CacheKeys k{keys.lora, keys.cache_salt, keys.mm.data(), keys.mm.size()};
-                 py::gil_scoped_release release;  // hashing and the index walk loop over the prompt
-                 return r.core->route_tokens(view.data(), view.size(), k, s, t);
+                 // Hashing and the index walk loop over the prompt: long only for huge prompts (gil.hpp).
+                 return without_gil_if(view.size() >= kGilTokens,
+                                       [&] { return r.core->route_tokens(view.data(), view.size(), k, s, t); });
              },
              py::arg("tokens"), py::kw_only(), py::arg("session") = py::none(), py::arg("now") = py::none(),
              py::arg("lora") = py::none(), py::arg("cache_salt") = py::none(), py::arg("mm") = py::none(),
@@ -361,8 +363,8 @@ void def_routing(py::class_<PyRouter>& cls) {
                  const std::int64_t n = num_tokens_arg(num_tokens);
                  const std::optional<std::string> s = session_arg(session, r.core->options().max_session_bytes);
                  const std::optional<double> t = now_arg(now);
-                 py::gil_scoped_release release;  // the index walk loops over the prompt
-                 return r.core->route_hashes(view.data(), view.size(), n, s, t);
+                 return without_gil_if(view.size() >= kGilHashes,
+                                       [&] { return r.core->route_hashes(view.data(), view.size(), n, s, t); });
              },
              py::arg("hashes"), py::arg("num_tokens"), py::kw_only(), py::arg("session") = py::none(),
              py::arg("now") = py::none(), "Route a prompt given as precomputed block hashes covering num_tokens tokens.")
@@ -415,8 +417,8 @@ void def_sharing(py::class_<PyRouter>& cls) {
                  r.core->replica_id(n);
                  HashView view = as_hashes(hashes, "hashes");
                  const std::optional<double> t = now_arg(now);
-                 py::gil_scoped_release release;  // the index walk loops over the prompt
-                 return r.core->observe_route(n, view.data(), view.size(), t);
+                 return without_gil_if(view.size() >= kGilHashes,
+                                       [&] { return r.core->observe_route(n, view.data(), view.size(), t); });
              },
              py::arg("name"), py::arg("hashes"), py::kw_only(), py::arg("now") = py::none(),
              "Another router routed a prompt with these block hashes to `name`: insert them as this "

@@ -22,6 +22,11 @@ _Ints: TypeAlias = npt.NDArray[np.integer[Any]] | Sequence[SupportsIndex] | Buff
 # A salt: str (UTF-8), bytes-like, or None for none.
 _Salt: TypeAlias = str | Buffer | None
 
+# --- the GIL (cpp/bindings/gil.hpp) ---
+
+def _release_gil_always(on: bool) -> None:
+    """Testing only: every call releases the GIL whatever its size."""
+
 # --- hashing (cpp/bindings/register_hashing.cpp) ---
 
 def xxh3_64(data: Buffer, seed: SupportsIndex = 0) -> int:
