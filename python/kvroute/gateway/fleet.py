@@ -3,9 +3,11 @@ engine-reported load and models, behind add / remove / drain (the admin API call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .. import block_hashes
@@ -100,15 +102,19 @@ class Fleet:
         kw = {} if resume is None else {"resume": {rid: dict(resume)}}
         return Subscriber(self.applier, [Source(rid, spec.events, replay_endpoint=spec.replay)], **kw).start()
 
-    def cursors(self) -> dict[str, dict[str, int]]:
-        """{replica name: {"seq", "digest"}} of the last batch applied per followed replica."""
-        out = {}
-        for name, rep in list(self.replicas.items()):
-            if rep.subscriber is not None:
-                cur = rep.subscriber.cursors().get(rep.id)
-                if cur is not None:
-                    out[name] = {"seq": int(cur["seq"]), "digest": int(cur["digest"])}
-        return out
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[dict[str, dict[str, int]]]:
+        """Hold every subscriber between batches (Subscriber.paused) and yield {replica name:
+        {"seq", "digest"}} of the last batch applied per followed replica: inside the block the
+        applier's state is exactly what those cursors name. Keep it short: events queue."""
+        with contextlib.ExitStack() as stack:
+            out = {}
+            for name, rep in list(self.replicas.items()):
+                if rep.subscriber is not None:
+                    cur = stack.enter_context(rep.subscriber.paused()).get(rep.id)
+                    if cur is not None:
+                        out[name] = {"seq": int(cur["seq"]), "digest": int(cur["digest"])}
+            yield out
 
     def remove(self, name: str) -> None:
         """Remove a replica: its subscriber stops, its index blocks and in-flight accounting go."""

@@ -10,10 +10,10 @@ came after it, or the replica is cleared when the engine no longer has it). A re
 
 Then a snapshot is written every `snapshot_interval` seconds and once more at shutdown, in a
 worker thread (Router.snapshot copies under the router's lock and writes path.tmp, then
-renames: a crash mid-write leaves the previous file). Cursors are read BEFORE the snapshot
-copies the index: batches applied in between are then in the file and replayed again after
-a restore, which re-applies stores (idempotent) and removals of blocks already gone
-(skipped), where the opposite order would lose removals and over-claim.
+renames: a crash mid-write leaves the previous file). The subscribers are held between
+batches while the router and the applier are copied (Fleet.paused, ~90 ms for 800,000
+blocks; their events queue meanwhile), so the file's index, applier maps and cursors name
+exactly the same batches: a restore replays from the first batch the file does not hold.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ class Snapshots:
 
     async def save(self) -> bool:
         """One snapshot, written in a worker thread; False (logged) if it failed."""
-        cursors = self.fleet.cursors()  # before the copy: see the module docstring
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(self.router.snapshot, self.path, applier=self.fleet.applier, cursors=cursors)
+            await asyncio.to_thread(self._write)
         except (OSError, ValueError, RuntimeError) as e:
             if self.last_error is None:
                 log.warning("snapshot %s failed: %s", self.path, e)
@@ -83,6 +82,11 @@ class Snapshots:
         self.written += 1
         self.last_error = None
         return True
+
+    def _write(self) -> None:
+        """Router.snapshot with every subscriber held, so that cursors and state agree."""
+        with self.fleet.paused() as cursors:
+            self.router.snapshot(self.path, applier=self.fleet.applier, cursors=cursors)
 
     def status(self) -> dict[str, Any]:
         """For GET /kvroute/state."""
