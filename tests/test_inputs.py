@@ -373,3 +373,15 @@ def load_reference():
     from conftest import load_impl
 
     return load_impl("reference")
+
+
+@pytest.mark.parametrize("on", [True, False, np.bool_(True), 1, None, "yes"])
+def test_release_gil_always_takes_only_a_bool(on):
+    """The threaded tests' hook (cpp/bindings/gil.hpp) and its reference twin agree."""
+    from conftest import load_impl
+
+    try:
+        kind, _ = same(lambda m: m._release_gil_always(on))
+    finally:
+        load_impl("native")._release_gil_always(False)
+    assert kind == ("ok" if isinstance(on, (bool, np.bool_)) else "raise")

@@ -2,6 +2,7 @@
 #include "kvroute/errors.hpp"
 #include "kvroute/version.hpp"
 #include "gil.hpp"
+#include "pyargs.hpp"
 #include "register.hpp"
 
 namespace py = pybind11;
@@ -36,8 +37,13 @@ PYBIND11_MODULE(_native, m) {
 
     m.def(
         "_release_gil_always",
-        [](bool on) { kvroute::bindings::release_gil_always.store(on, std::memory_order_relaxed); },
+        [](py::handle on) {
+            if (!kvroute::bindings::is_bool(on))
+                throw kvroute::TypeError("on must be a bool, got " + kvroute::bindings::type_name(on));
+            kvroute::bindings::release_gil_always.store(PyObject_IsTrue(on.ptr()) == 1, std::memory_order_relaxed);
+        },
         py::arg("on"),
         "Testing only: every call releases the GIL whatever its size (gil.hpp), so that threaded tests run "
-        "native code in several threads at once for ThreadSanitizer to check.");
+        "native code in several threads at once for ThreadSanitizer to check. The reference's twin checks "
+        "`on` and changes nothing.");
 }

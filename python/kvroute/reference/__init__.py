@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .hashing import block_hashes, xxh3_64
 from .events import EventApplier
+from .gil import _release_gil_always  # noqa: F401 - the testing hook's twin, private
 from .index import PrefixIndex
 from .router import Decision, Router
 
