@@ -59,6 +59,22 @@ def test_rate_one_is_exact_lru_prefix_cache(raw, capacity):
     assert curve.hit_rate[0] == pytest.approx(_naive(ops, capacity, 4), abs=1e-12)
 
 
+@given(op_lists, st.sampled_from([1.0, 0.5, 0.05]), st.integers(1, 12))
+def test_adding_one_operation_at_a_time_equals_feeding_the_stream(raw, rate, max_blocks):
+    """Shards.add (the gateway's per-request path) is feed_arrays for one operation: the same
+    histogram, counters, sampling threshold and tracked set, through shrinks and compactions."""
+    ops = _ops(raw, 4)
+    stream = bs.build([(np.array(h, dtype=np.uint64), t, c) for h, t, c in ops], 4)
+    whole = mrc.Shards(4, rate=rate, max_blocks=max_blocks).feed(stream)
+    one = mrc.Shards(4, rate=rate, max_blocks=max_blocks)
+    for h, t, c in ops:
+        one.add(np.array(h, dtype=np.uint64), t, c)
+    sizes = [1, 2, 3, 5, 8, 13, 40]
+    assert one.hit_blocks(sizes).tolist() == whole.hit_blocks(sizes).tolist()
+    assert (one.blocks, one.lookups, one.input_tokens, one.rate, one.tracked) == (
+        whole.blocks, whole.lookups, whole.input_tokens, whole.rate, whole.tracked)
+
+
 def test_rate_one_matches_the_simulators_cache_on_chat():
     wl = sim.chat(sim.ChatParams(sessions_per_replica=4, conversations_per_user=2), replicas=2, seed=3)
     stream = bs.from_workload(wl)

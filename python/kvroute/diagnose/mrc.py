@@ -47,17 +47,18 @@ _MULT = np.uint64(0x9E3779B97F4A7C15)
 _LINEAR = 4096
 _LOG_STEP = 0.001
 _CHUNK = 1 << 20
+#: Distances read but not yet histogrammed (add() flushes at this many; curves flush first).
+_PENDING = 4096
 
 
 def sample_keys(hashes: np.ndarray) -> np.ndarray:
-    """The sampling key of each block hash: a multiplicative mix, so ids that are small
-    integers (a trace's remapped ids) spread over uint64 like real hashes."""
-    h = np.asarray(hashes, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = h * _MULT
+    """The sampling key of each block hash (a 1-D array): a multiplicative mix, so ids that
+    are small integers (a trace's remapped ids) spread over uint64 like real hashes. Integer
+    arithmetic on arrays wraps modulo 2**64 without a warning (numpy checks overflow only on
+    scalars), which is the mix wanted."""
+    x = np.asarray(hashes, dtype=np.uint64) * _MULT
     x ^= x >> np.uint64(29)
-    with np.errstate(over="ignore"):
-        x *= _MULT
+    x *= _MULT
     return x
 
 
@@ -186,10 +187,22 @@ class Shards:
         return len(self._last)
 
     def add(self, hashes: np.ndarray, prompt_tokens: int, counted: bool = True) -> None:
-        """One operation: a lookup of a prompt's blocks (counted) or a store."""
+        """One operation: a lookup of a prompt's blocks (counted) or a store. What
+        feed_arrays does for a one-operation stream, without its per-stream array work: a
+        gateway calls this twice per request (the pooled curve and the replica's)."""
         h = np.asarray(hashes, dtype=np.uint64)
-        self.feed_arrays(h, np.array([0, len(h)], dtype=np.int64), np.array([prompt_tokens], dtype=np.int64),
-                         np.array([counted], dtype=bool))
+        counted = bool(counted)
+        if counted:
+            self.blocks += len(h)
+            self.lookups += 1
+            self.input_tokens += int(prompt_tokens)
+        if len(h):
+            keys = sample_keys(h)
+            pos = np.nonzero(keys <= np.uint64(self._threshold))[0]
+            if pos.size:
+                self._op(h[pos].tolist(), keys[pos].tolist(), [counted] * int(pos.size))
+        if len(self._pending_d) >= _PENDING:
+            self._flush()
 
     def feed(self, stream: BlockStream) -> Shards:
         """Every operation of a stream, in order. Returns self."""

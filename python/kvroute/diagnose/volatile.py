@@ -188,6 +188,7 @@ class VolatilePrefixDetector:
         run_end = -1
         run_open = True
         head = toks[: self._prefix_tokens].astype(np.uint32)  # shared by this prompt's entries
+        diffs: dict[int, int] = {}  # earlier prompt -> where head first differs from its prefix
         for off, f in zip(at.tolist(), fp.tolist()):
             if f > self._table_thr:
                 continue
@@ -201,7 +202,9 @@ class VolatilePrefixDetector:
             if e.block == block and e.chain == chain or not run_open:
                 continue  # ordinary prefix reuse, or past the run
             if found is None:
-                div = _first_difference(head, e.prefix)
+                div = diffs.get(e.prompt)
+                if div is None:  # the same for every entry of that prompt: they share its prefix
+                    div = diffs[e.prompt] = _first_difference(head, e.prefix)
                 if div >= min(off, self.max_offset):
                     continue  # diverges too deep to be a prefix (or not before this window)
                 found = Divergence(idx, e.prompt, div, 0)
