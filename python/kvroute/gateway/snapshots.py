@@ -11,8 +11,8 @@ came after it, or the replica is cleared when the engine no longer has it). A re
 Then a snapshot is written every `snapshot_interval` seconds and once more at shutdown, in a
 worker thread (Router.snapshot copies the index replica by replica and writes path.tmp,
 then renames: a crash mid-write leaves the previous file). The subscribers are held between
-batches while the router and the applier are copied (Fleet.paused, ~90 ms for 800,000
-blocks; their events queue meanwhile), so the file's index, applier maps and cursors name
+batches during Router.snapshot (Fleet.paused; ~90 ms for 800,000 blocks plus the fsync;
+their events queue in ZMQ meanwhile), so the file's index, applier maps and cursors name
 exactly the same batches: a restore replays from the first batch the file does not hold.
 """
 
