@@ -235,6 +235,27 @@ def test_optional_sections_are_skipped():
     assert out[0][0] == "ok"
 
 
+def _cursor_section(cursors: list[tuple[str, int, int]]) -> bytes:
+    payload = struct.pack("<Q", len(cursors)) + b"".join(
+        struct.pack("<I", len(n)) + n.encode() + struct.pack("<QQ", seq, dig) for n, seq, dig in cursors)
+    return b"CURS" + struct.pack("<Q", len(payload)) + payload
+
+
+def test_a_repeated_cursor_name_keeps_its_first_place_and_last_value():
+    """A forged CURS section naming replicas again (thousands of times: no quadratic restore)
+    reads like a dict built from it, on both implementations."""
+    at = BASE.index(_cursor_section([("a", 1, 1)]))
+    names = [f"r{i}" for i in range(4000)]
+    cursors = [(n, i, i) for i, n in enumerate(names)] + [(n, 7, 8) for n in names[::2]] + [("a", 5, 6)]
+    data = _forge(BASE[:at] + _cursor_section(cursors) + BASE[at + len(_cursor_section([("a", 1, 1)])):])
+    out = _restore_outcome(data, CFG)
+    assert out[0][0] == "ok"
+    got = out[0][1]["cursors"]
+    assert list(got) == names + ["a"]
+    assert got["r0"] == {"seq": 7, "digest": 8} and got["r1"] == {"seq": 1, "digest": 1}
+    assert got["a"] == {"seq": 5, "digest": 6}
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [

@@ -147,14 +147,15 @@ void read_sessions(binio::Reader& rd, Decoded& d) {
 
 void read_cursors(binio::Reader& rd, Decoded& d) {
     const std::uint64_t n = rd.count(20);
+    std::unordered_map<std::string, std::size_t> place;  // name -> its index in d.cursors
     for (std::uint64_t j = 0; j < n; ++j) {
         SnapshotCursor c;
         c.name = utf8(rd.text(), "cursor " + std::to_string(j));
         c.seq = rd.u64();
         c.digest = rd.u64();
-        auto same = std::find_if(d.cursors.begin(), d.cursors.end(), [&](const SnapshotCursor& o) { return o.name == c.name; });
-        if (same != d.cursors.end()) *same = c;  // a dict keeps the first place, the last value
-        else d.cursors.push_back(std::move(c));
+        const auto [it, fresh] = place.emplace(c.name, d.cursors.size());
+        if (fresh) d.cursors.push_back(std::move(c));
+        else d.cursors[it->second] = std::move(c);  // a dict keeps the first place, the last value
     }
 }
 
