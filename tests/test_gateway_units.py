@@ -190,3 +190,25 @@ def test_redis_write_queue_is_bounded_oldest_dropped():
         state.routed(f"s{i}", "a" if i % 2 else "b", hashes)
     assert list(state._sessions) == ["s2", "s3", "s4"] and len(state._routes) == 3
     assert state.counts["dropped"] == 4
+
+
+def test_redis_peer_load_records_that_are_not_records_are_ignored_whole():
+    """Another gateway's load record is applied whole or not at all: bad JSON, missing or
+    non-numeric fields neither raise (which would end the load exchange) nor count half."""
+    pytest.importorskip("redis")
+    import json
+
+    from kvroute import Router, RouterConfig
+    from kvroute.gateway.state.redis_store import LOAD_FIELDS, RedisState
+
+    router = Router(RouterConfig(), ["a", "b"])
+    state = RedisState("redis://127.0.0.1:1/0", router, None)
+    good = json.dumps({"t": 99.0, "own": {"a": [2, 100, 1, 7, 3], "b": [1, 0, 0, 0, 0], "gone": [5]}}).encode()
+    bad = [b"not json", b"[]", json.dumps({"own": {"a": [1]}}).encode(), json.dumps({"t": "x", "own": {}}).encode(),
+           json.dumps({"t": 99.0, "own": {"a": ["x", 1]}}).encode(), json.dumps({"t": 99.0, "own": {"a": "12"}}).encode(),
+           json.dumps({"t": 99.0, "own": {"b": [1], "a": [1e400]}}).encode(), json.dumps({"t": 99.0, "own": []}).encode(),
+           b'{"t": Infinity, "own": {"a": [1]}}']
+    state._apply_peers([None, good, *bad], now=100.0)
+    assert state.counts["peers"] == 1
+    assert router.load("a")["external"] == dict(zip(LOAD_FIELDS, [2, 100, 1, 7, 3]))
+    assert router.load("b")["external"] == dict(zip(LOAD_FIELDS, [1, 0, 0, 0, 0]))

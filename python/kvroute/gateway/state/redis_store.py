@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import logging
 import os
 import socket
@@ -274,17 +275,16 @@ class RedisState(SharedState):
         for raw in records:
             if raw is None:
                 continue  # expired: that gateway stopped publishing
-            try:
-                rec = json.loads(raw)
-                own = rec["own"]
-                oldest = max(oldest, now - float(rec["t"]))
-            except (ValueError, KeyError, TypeError):
-                continue
+            parsed = _peer_record(raw)
+            if parsed is None:
+                continue  # not a record any gateway writes: ignored whole
+            t, own = parsed
             live += 1
+            oldest = max(oldest, now - t)
             for name, figures in own.items():
                 acc = sums.setdefault(name, [0] * len(LOAD_FIELDS))
-                for i, v in enumerate(figures[:len(LOAD_FIELDS)]):
-                    acc[i] += max(0, int(v))
+                for i, v in enumerate(figures):
+                    acc[i] += v
         self._set_external(sums)
         self.counts["peers"] = live
         if self.metrics is not None:
@@ -339,3 +339,20 @@ class RedisState(SharedState):
             if self.metrics is not None:
                 self.metrics.state_route_delay.observe(max(0.0, now_ms - int(entry_id.split(b"-")[0])) / 1000)
         return bytes(last)
+
+
+def _peer_record(raw: Any) -> tuple[float, dict[str, list[int]]] | None:
+    """(time, {replica: load figures, each an int >= 0}) of another gateway's load record, or
+    None when it is not one (bad JSON, a missing, non-finite or non-numeric field): a peer's
+    bad record must not stop the load exchange, nor count half."""
+    try:
+        rec = json.loads(raw)
+        t = float(rec["t"])
+        own: dict[str, list[int]] = {}
+        for name, figures in rec["own"].items():
+            if not isinstance(figures, list):
+                return None
+            own[str(name)] = [max(0, int(v)) for v in figures[:len(LOAD_FIELDS)]]
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+        return None
+    return (t, own) if math.isfinite(t) else None
