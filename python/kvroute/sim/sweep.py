@@ -130,7 +130,7 @@ def _check(slo: float, start: float, step: float, tol: float) -> None:
 
 
 def search_factor(ok: Callable[[float], bool], start: float, step: float = 2.0, tol: float = 0.01,
-           max_ladder: int = 6) -> float | None:
+                  max_ladder: int = 6) -> float | None:
     """The highest factor found with ok(factor) true (None: none of the ladder's): the
     ladder, then bisection until the lowest factor above it that failed is within
     (1 + tol) of it (module docstring). When the ladder never fails (max_ladder steps up),
