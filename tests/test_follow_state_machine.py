@@ -182,6 +182,23 @@ FollowerVsPublisher.TestCase.settings = settings(stateful_step_count=40, deadlin
 test_follower_vs_publisher = FollowerVsPublisher.TestCase
 
 
+def test_a_new_connection_while_resuming_is_checked_like_any_other():
+    """Found by the machine above: the publisher restarted while a resumed follower was still
+    verifying its snapshot's anchor. The new connection's probe finds the ring without the
+    anchor; that must start over (a resync), not continue the snapshot from the new process's
+    batches with the old process's numbers (it ended believing it was at 2, the new process
+    at 1)."""
+    m = FollowerVsPublisher()
+    m.setup(ring=1, attempts=1, cap=70)
+    m.publish([False, True])
+    m.save_snapshot()
+    m.restore_snapshot()
+    m.publish([False])
+    m.restart(published_before_connect=2)
+    m.settle()
+    assert m.f.last_seq == 1 and m.ops.applied == [(1, 1)] and m.f.c.resyncs >= 1
+
+
 def _follower(replay):
     ops = FakeOps()
     f = Follower(ops, replay=replay, max_attempts=2, max_buffer_bytes=1000, replay_timeout=IDLE,

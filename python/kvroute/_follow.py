@@ -44,7 +44,9 @@ requested number on, then an end marker, and may lose replies to its send high-w
   later batches are applied from the reply on; the ring no longer holds it (the first
   reply is later): cleared and followed from that reply; other bytes, an earlier number,
   nothing from it on, or no answer: cleared and followed anew. Without a replay endpoint
-  the replica is cleared at once. Every such clear counts as one resync, not a restart.
+  the replica is cleared at once. Every such clear counts as one resync, not a restart. A new
+  connection while the anchor is being verified is checked like any other: its probe must
+  find the anchor's bytes, or the replica starts over.
   `cursor()` is {"seq", "digest"} of the last batch applied (or resumed from), else None.
 """
 
@@ -104,7 +106,8 @@ class _Round:
     probe: bool
     started: float
     active: float
-    verify: bool = False  # after a new connection: hold live batches until it answers
+    verify: bool = False  # after a new connection or a resume: hold live batches until it answers
+    resume: bool = False  # asked by resume(): a ring without the anchor still continues the snapshot
     first: bool = True  # no reply yet
     progress: bool = False  # applied at least one batch
 
@@ -204,9 +207,10 @@ class Follower:
                 else:
                     self._resuming = False  # the anchor checked out: the same process
                 return
-            if r.anchor is not None and r.verify and not self._resuming:
+            if r.anchor is not None and r.verify and not r.resume:
                 # A new connection and the ring no longer holds our last number: nothing
-                # tells whether this is the same process. Start over.
+                # tells whether this is the same process (even while resuming: the snapshot's
+                # process may be gone). Start over.
                 self._restart(counter="resyncs")
                 self._start(now, probe=False)
                 return
@@ -271,7 +275,7 @@ class Follower:
         self._last_payload = None
         self._resumed_digest = digest
         self._resuming = True
-        self._start(now, probe=False, verify=True)
+        self._start(now, probe=False, verify=True, resume=True)
 
     def cursor(self) -> dict[str, int] | None:
         """{"seq", "digest"} of the last batch applied (or resumed from), else None."""
@@ -322,10 +326,10 @@ class Follower:
             return _digest(self._last_payload)
         return self._resumed_digest
 
-    def _start(self, now: float, *, probe: bool, verify: bool = False) -> None:
+    def _start(self, now: float, *, probe: bool, verify: bool = False, resume: bool = False) -> None:
         d = self._anchor_digest() if self.last_seq >= 0 else None
         anchor = self.last_seq if d is not None else None
-        self._round = _Round(anchor, d, probe, now, now, verify=verify)
+        self._round = _Round(anchor, d, probe, now, now, verify=verify, resume=resume)
         if probe:
             self.c.probes += 1
         else:
